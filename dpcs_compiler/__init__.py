@@ -1,0 +1,25 @@
+"""dpcs: a torch.compile backend that plans memory and precision for training.
+
+    model = torch.compile(model, backend="dpcs", options={"compiler": "inductor"})
+
+The backend is registered under the name "dpcs" by the package's entry point; importing this package is
+not needed to use it.
+"""
+
+from dpcs_compiler.backend import DpcsFallbackWarning, dpcs_backend
+from dpcs_compiler.measure import PeakMemory, measure_peak_memory
+from dpcs_compiler.options import DpcsOptions
+from dpcs_compiler.report import CompileRecord, clear_compile_records, compile_records
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CompileRecord",
+    "DpcsFallbackWarning",
+    "DpcsOptions",
+    "PeakMemory",
+    "clear_compile_records",
+    "compile_records",
+    "dpcs_backend",
+    "measure_peak_memory",
+]

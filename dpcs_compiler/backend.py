@@ -1,0 +1,62 @@
+"""The Dynamo backend "dpcs": validates options, runs the pipeline, and fails safe.
+
+Registered through the `torch_dynamo_backends` entry point, so `torch.compile(m, backend="dpcs")` works in
+a process that never imported dpcs_compiler. If a dpcs stage raises while compiling a graph, that graph
+falls back to plain Inductor with a warning naming the error and the dump folder, unless the options say
+`"strict": True`, in which case the error propagates. Bad options always raise.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.fx as fx
+from torch._dynamo.exc import RestartAnalysis
+
+from dpcs_compiler.options import DpcsOptions
+from dpcs_compiler.pipeline import compile_graph
+from dpcs_compiler.report import compile_records
+
+log = logging.getLogger("dpcs.backend")
+
+
+class DpcsFallbackWarning(UserWarning):
+    """A graph could not go through dpcs and was compiled by plain Inductor instead."""
+
+
+def dpcs_backend(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict[str, Any] | None = None, **unexpected: Any
+) -> Callable:
+    """`torch.compile(model, backend="dpcs", options={...})`."""
+    if unexpected:
+        raise ValueError(
+            f"the dpcs backend got unexpected torch.compile arguments {sorted(unexpected)}; "
+            "pass dpcs settings through options={...} (mode= is not supported)"
+        )
+    opts = DpcsOptions.from_dict(options)
+    records_before = len(compile_records())
+    try:
+        return compile_graph(gm, example_inputs, opts)
+    except RestartAnalysis:
+        raise  # Dynamo's own control flow, not a failure
+    except Exception as error:
+        if opts.strict:
+            raise
+        new_records = compile_records()[records_before:]
+        dump = new_records[0].dump_dir if new_records and new_records[0].dump_dir else "none (set dump_dir)"
+        for record in new_records:
+            record.fallback = f"{type(error).__name__}: {error}"
+        warnings.warn(
+            f"dpcs failed to compile a graph and falls back to plain Inductor for it: "
+            f"{type(error).__name__}: {error} (dump folder: {dump}; pass options={{'strict': True}} to raise)",
+            DpcsFallbackWarning,
+            stacklevel=2,
+        )
+        log.warning("dpcs fallback traceback:\n%s", traceback.format_exc())
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs)

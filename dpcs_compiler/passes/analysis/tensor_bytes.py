@@ -1,0 +1,159 @@
+"""Bytes of every value of an aten-level FX graph, as storage allocations ("buffers").
+
+A node that makes new tensors allocates one buffer per tensor it returns; a view or alias (any op whose
+schema says its result aliases an input, `_unsafe_view`, `getitem` of a tuple) allocates nothing and
+points into the buffers of its base. Sizes are sympy expressions in the graph's shape symbols, so they
+stay exact under dynamic shapes; `hint` evaluates one with the values the symbols had when traced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Iterable
+from typing import Any
+
+import sympy
+import torch
+import torch.fx as fx
+from torch._prims_common import compute_required_storage_length
+
+aten = torch.ops.aten
+
+# Ops whose schema does not declare an alias but whose result shares its input's storage in practice.
+_UNDECLARED_VIEWS = {aten._unsafe_view.default, aten.lift_fresh.default}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Buffer:
+    """One storage allocation: output `index` of `producer` (index None for a single-tensor result)."""
+
+    producer: fx.Node
+    index: int | None
+    size: sympy.Expr
+
+    def __repr__(self) -> str:
+        suffix = "" if self.index is None else f"[{self.index}]"
+        return f"Buffer({self.producer.name}{suffix}, {self.size})"
+
+
+def to_sympy(value: int | torch.SymInt) -> sympy.Expr:
+    if isinstance(value, torch.SymInt):
+        return sympy.sympify(value.node.expr)
+    return sympy.Integer(int(value))
+
+
+def storage_bytes(tensor: torch.Tensor) -> sympy.Expr:
+    """Bytes of a freshly allocated tensor with this shape, stride and dtype."""
+    elements = compute_required_storage_length(tensor.shape, tensor.stride(), 0)
+    return sympy.expand(to_sympy(elements) * tensor.element_size())
+
+
+def tensor_bytes_of(tensor: torch.Tensor) -> sympy.Expr:
+    """Bytes of the elements a tensor value covers (what an op reading it touches)."""
+    return sympy.expand(to_sympy(tensor.numel()) * tensor.element_size())
+
+
+def is_view(node: fx.Node) -> bool:
+    """True if the node's result aliases an input's storage instead of allocating."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return True
+    if node.target in _UNDECLARED_VIEWS:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(ret.alias_info is not None for ret in schema.returns)
+
+
+def _tensors(value: Any) -> list[tuple[int | None, torch.Tensor]]:
+    if isinstance(value, torch.Tensor):
+        return [(None, value)]
+    if isinstance(value, (list, tuple)):
+        return [(i, v) for i, v in enumerate(value) if isinstance(v, torch.Tensor)]
+    return []
+
+
+def _view_base(node: fx.Node) -> fx.Node | None:
+    for arg in node.args:
+        if isinstance(arg, fx.Node):
+            return arg
+        if isinstance(arg, (list, tuple)):  # e.g. aten.cat-like aliasing ops are not views; first list input
+            for a in arg:
+                if isinstance(a, fx.Node):
+                    return a
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorBytes:
+    """Result of the analysis: which buffers each node allocates and which each value points into."""
+
+    allocations: dict[fx.Node, tuple[Buffer, ...]]
+    references: dict[fx.Node, tuple[Buffer, ...]]
+    shape_env: Any | None
+
+    def nbytes(self, node: fx.Node) -> sympy.Expr:
+        """Bytes the node allocates (zero for views, aliases and non-tensor values)."""
+        return sympy.Add(*(b.size for b in self.allocations.get(node, ())))
+
+    def hint(self, expr: sympy.Expr | int) -> int:
+        """Evaluate a size with the values the shape symbols had at trace time."""
+        return hint_int(expr, self.shape_env)
+
+    def nbytes_hint(self, node: fx.Node) -> int:
+        return self.hint(self.nbytes(node))
+
+
+def hint_int(expr: sympy.Expr | int, shape_env: Any | None) -> int:
+    expr = sympy.sympify(expr)
+    if not expr.free_symbols:
+        return int(expr)
+    if shape_env is None:
+        raise ValueError(f"size {expr} is symbolic but the graph carries no shape environment to evaluate it")
+    substitutions = {}
+    for symbol in expr.free_symbols:
+        if symbol in shape_env.var_to_val:
+            substitutions[symbol] = shape_env.var_to_val[symbol]
+        else:  # an unbacked (data-dependent) size: use Inductor's fallback guess, as Inductor does
+            substitutions[symbol] = torch._inductor.config.unbacked_symint_fallback
+    return int(expr.xreplace(substitutions))
+
+
+def find_shape_env(values: Iterable[Any]) -> Any | None:
+    for value in values:
+        for _, tensor in _tensors(value):
+            for dim in (*tensor.shape, *tensor.stride()):
+                if isinstance(dim, torch.SymInt):
+                    return dim.node.shape_env
+        if isinstance(value, torch.SymInt):
+            return value.node.shape_env
+    return None
+
+
+def tensor_bytes(gm: fx.GraphModule, analyses: Any | None = None) -> TensorBytes:
+    """The analysis: buffers allocated and referenced by every node of an aten graph with meta['val']."""
+    allocations: dict[fx.Node, tuple[Buffer, ...]] = {}
+    references: dict[fx.Node, tuple[Buffer, ...]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            continue
+        value = node.meta.get("val")
+        if node.op == "call_function" and node.target is operator.getitem:
+            parent, index = node.args
+            parent_refs = references.get(parent, ())
+            element = [b for b in allocations.get(parent, ()) if b.index == index]
+            # getitem of a multi-output op picks that output's buffer; of a view-tuple (split) the base's.
+            references[node] = tuple(element) if element else parent_refs
+            allocations[node] = ()
+            continue
+        if is_view(node):
+            base = _view_base(node)
+            allocations[node] = ()
+            references[node] = references.get(base, ()) if base is not None else ()
+            continue
+        buffers = tuple(Buffer(node, index, storage_bytes(t)) for index, t in _tensors(value))
+        allocations[node] = buffers
+        references[node] = buffers
+    shape_env = find_shape_env(n.meta.get("val") for n in gm.graph.nodes)
+    return TensorBytes(allocations=allocations, references=references, shape_env=shape_env)

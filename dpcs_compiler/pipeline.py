@@ -1,0 +1,245 @@
+"""The dpcs compile pipeline for one Dynamo graph, stage by stage.
+
+    Dynamo graph
+      -> pre-autograd rewrites            (precision and fp8 rewrites go here: AOTAutograd traces their backward)
+      -> AOTAutograd joint graph
+      -> joint analyses -> plan -> partition (torch's min-cut for now) -> step analyses
+      -> forward / backward rewrites      (offload and prefetch go here)
+      -> final compiler                   (Inductor, or "eager": the same graphs run uncompiled)
+
+With Inductor, dpcs runs inside Inductor's own `compile_fx`: the partition stage is Inductor's
+`custom_partitioner_fn` (after Inductor's joint-graph passes) and the forward/backward stage wraps
+`compile_fx_inner`. With "eager", AOTAutograd is called with the same decompositions and partitioner
+and the graphs run as FX code. Every compile derives its plan anew: Inductor's FX-graph and AOTAutograd
+caches are bypassed for dpcs graphs (the C++ code cache still applies), and the partitioner's uuid,
+which carries the plan's compile key, keeps cache entries of different plans apart if they are enabled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+from dpcs_compiler.options import DpcsOptions
+from dpcs_compiler.passes.analysis import Schedule, liveness, memory_timeline, op_cost
+from dpcs_compiler.passes.analysis.memory_timeline import MemoryTimeline
+from dpcs_compiler.passes.infra import AnalysisCache, PassContext, PassTimer, Rewrite, run_rewrites
+from dpcs_compiler.plan import Plan, ValueDecision
+from dpcs_compiler.report import CompileRecord, add_record
+
+log = logging.getLogger("dpcs.pipeline")
+
+# The rewrites of each stage, in order. Empty stages are the hooks later capabilities fill.
+PRE_AUTOGRAD_REWRITES: tuple[Rewrite, ...] = ()
+FORWARD_REWRITES: tuple[Rewrite, ...] = ()
+BACKWARD_REWRITES: tuple[Rewrite, ...] = ()
+INFERENCE_REWRITES: tuple[Rewrite, ...] = ()
+
+_graph_ids = itertools.count()
+
+
+def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: DpcsOptions) -> Callable:
+    """Run the whole dpcs pipeline on one Dynamo graph and return the compiled callable."""
+    job = GraphJob.start(gm, example_inputs, options)
+    job.dump_graph("dynamo", gm)
+    gm = job.rewrite("pre_autograd", gm, PRE_AUTOGRAD_REWRITES)
+    partitioner = JointPartitioner(job)  # joint analyses -> plan -> partition -> step analyses
+    part_compiler = PartCompiler(job)  # forward / backward rewrites -> final compiler
+    return aot_compile(gm, example_inputs, partitioner, part_compiler, options.compiler)
+
+
+@dataclasses.dataclass
+class GraphJob:
+    """Everything one graph's compilation shares: options, plan, analyses, instruments, record, dumps."""
+
+    options: DpcsOptions
+    record: CompileRecord
+    ctx: PassContext
+    timer: PassTimer
+    parameter_indices: tuple[int, ...]
+    dumper: Any | None = None
+
+    @classmethod
+    def start(cls, gm: fx.GraphModule, example_inputs: Sequence[Any], options: DpcsOptions) -> GraphJob:
+        name = f"graph_{next(_graph_ids):03d}"
+        record = CompileRecord(graph=name, compiler=options.compiler)
+        record.dynamo_nodes = len(gm.graph.nodes)
+        timer = PassTimer(record.pass_seconds)
+        instruments: list[Any] = [timer]
+        dumper = None
+        if options.dump_dir is not None:
+            from dpcs_compiler.debug.dump import GraphDumper, new_graph_folder
+
+            dumper = GraphDumper(new_graph_folder(options.dump_dir, name))
+            record.dump_dir = str(dumper.folder)
+            instruments.append(dumper)
+        ctx = PassContext(plan=Plan(graph=name, options_fingerprint=options.fingerprint()), analyses=AnalysisCache())
+        ctx.instruments = instruments
+        add_record(record)
+        parameters = tuple(i for i, x in enumerate(example_inputs) if isinstance(x, torch.nn.Parameter))
+        log.info("compiling %s: %d Dynamo nodes", name, record.dynamo_nodes)
+        return cls(options, record, ctx, timer, parameters, dumper)
+
+    @property
+    def plan(self) -> Plan:
+        return self.ctx.plan
+
+    def dump_graph(self, name: str, gm: fx.GraphModule) -> None:
+        if self.dumper is not None:
+            self.dumper.write_graph(name, gm)
+
+    def rewrite(self, stage: str, gm: fx.GraphModule, rewrites: Sequence[Rewrite]) -> fx.GraphModule:
+        return run_rewrites(stage, gm, rewrites, self.ctx) if rewrites else gm
+
+    def record_timeline(self, name: str, timeline: MemoryTimeline) -> None:
+        self.record.predicted_peak_bytes = timeline.peak_bytes
+        self.record.resident_bytes = timeline.resident_bytes
+        self.record.peak_node = timeline.peak_step.node if timeline.peak_step else None
+        if self.dumper is not None:
+            self.dumper.write_timeline(name, timeline, title=f"{self.record.graph} {name} (simulated)")
+
+    def finish(self) -> None:
+        """Write the plan and the summary (again after each stage, so a lazy backward updates them)."""
+        if self.dumper is not None:
+            self.dumper.write_json("plan.json", self.plan.to_json())
+            from dpcs_compiler.debug.dump import SUMMARY_FILE
+
+            self.dumper.write_json(SUMMARY_FILE, self.record.to_json())
+
+
+class JointPartitioner(CustomPartitionerFn):
+    """Joint analyses, plan, partition and the simulated memory of the partitioned step."""
+
+    def __init__(self, job: GraphJob) -> None:
+        self.job = job
+
+    def uuid(self) -> str:
+        return self.job.plan.compile_key()
+
+    def __deepcopy__(self, memo: dict) -> JointPartitioner:
+        # Inductor deep-copies its config (repro strings, cache keys); this is a handle on one compile job.
+        return self
+
+    def __call__(self, joint: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
+        job, ctx = self.job, self.job.ctx
+        num_fwd_outputs = kwargs["num_fwd_outputs"]
+        job.record.joint_nodes = len(joint.graph.nodes)
+        job.dump_graph("joint", joint)
+        with ctx.instrumented("joint", "analyses"):
+            joint_schedule = Schedule.of_joint(
+                joint, num_fwd_outputs=num_fwd_outputs, parameter_indices=job.parameter_indices
+            )
+            joint_timeline = ctx.analyses.get(memory_timeline, joint_schedule)
+            job.record.total_flops = ctx.analyses.get(op_cost, joint).total_flops
+            job.record.symbolic_shapes = any(
+                isinstance(d, torch.SymInt)
+                for n in joint.graph.nodes
+                if isinstance(v := n.meta.get("val"), torch.Tensor)
+                for d in v.shape
+            )
+        if job.dumper is not None:
+            job.dumper.write_timeline("joint_memory_timeline", joint_timeline, f"{job.record.graph} joint (no partition)")
+        with ctx.instrumented("partition", "min_cut"):
+            kwargs.setdefault("compiler", "inductor")  # Inductor passes it; the eager path asks for the same
+            forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        with ctx.instrumented("step", "analyses"):
+            step = Schedule.of_partition(
+                forward, backward, num_user_outputs=num_fwd_outputs, parameter_indices=job.parameter_indices
+            )
+            timeline = ctx.analyses.get(memory_timeline, step)
+            live = ctx.analyses.get(liveness, step)
+            saved = sorted(step.saved - set(step.resident), key=lambda n: n.name)
+            values = tuple(
+                ValueDecision(n.name, sum(live.hint(b) for b in live.allocations.get(n, ()))) for n in saved
+            )
+        ctx.plan = job.plan.with_values(values)
+        job.record.forward_nodes = len(forward.graph.nodes)
+        job.record.backward_nodes = len(backward.graph.nodes)
+        job.record.saved_values = len(values)
+        job.record.saved_bytes = sum(v.nbytes for v in values)
+        job.record_timeline("step_memory_timeline", timeline)
+        job.finish()
+        log.info(
+            "%s: saved %d values (%d B), predicted peak %d B at %s",
+            job.record.graph, len(values), job.record.saved_bytes, timeline.peak_bytes, job.record.peak_node,
+        )
+        return forward, backward
+
+
+class PartCompiler:
+    """The forward / backward / inference stage: rewrites, then the final compiler."""
+
+    def __init__(self, job: GraphJob) -> None:
+        self.job = job
+
+    def prepare(self, kind: str, gm: fx.GraphModule) -> fx.GraphModule:
+        job = self.job
+        if kind == "inference":
+            job.record.mode = "inference"
+            job.record.forward_nodes = len(gm.graph.nodes)
+            with job.ctx.instrumented("inference", "analyses"):
+                schedule = Schedule.of_graph(gm, parameter_indices=job.parameter_indices)
+                timeline = job.ctx.analyses.get(memory_timeline, schedule)
+                job.record.total_flops = job.ctx.analyses.get(op_cost, gm).total_flops
+            job.record_timeline("inference_memory_timeline", timeline)
+        rewrites = {"forward": FORWARD_REWRITES, "backward": BACKWARD_REWRITES, "inference": INFERENCE_REWRITES}
+        gm = job.rewrite(kind, gm, rewrites[kind])
+        job.dump_graph(f"{kind}.final", gm)
+        job.finish()
+        return gm
+
+    def inductor_inner(self, gm: fx.GraphModule, example_inputs: Sequence[Any], *args: Any, **kwargs: Any):
+        """Stands in for Inductor's compile_fx_inner: dpcs rewrites first, then compile_fx_inner."""
+        from torch._inductor.compile_fx import compile_fx_inner
+
+        kind = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"
+        gm = self.prepare(kind, gm)
+        return compile_fx_inner(gm, example_inputs, *args, **kwargs)
+
+    def eager(self, kind: str) -> Callable:
+        from torch._dynamo.backends.debugging import boxed_nop
+
+        def compile_part(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+            return boxed_nop(self.prepare(kind, gm), example_inputs)
+
+        return compile_part
+
+
+def aot_compile(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    partitioner: JointPartitioner,
+    part_compiler: PartCompiler,
+    compiler: str,
+) -> Callable:
+    """AOTAutograd with dpcs's partitioner and part compiler, then the chosen final compiler."""
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        if compiler == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx(
+                gm,
+                example_inputs,
+                inner_compile=part_compiler.inductor_inner,
+                config_patches={"custom_partitioner_fn": partitioner, "fx_graph_cache": False},
+            )
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._inductor.decomposition import select_decomp_table
+
+        backend = aot_autograd(
+            fw_compiler=part_compiler.eager("forward"),
+            bw_compiler=part_compiler.eager("backward"),
+            inference_compiler=part_compiler.eager("inference"),
+            partition_fn=partitioner,
+            decompositions=select_decomp_table(),
+            keep_inference_input_mutations=True,
+        )
+        return backend(gm, example_inputs)

@@ -1,0 +1,46 @@
+"""What dpcs did for each graph it compiled in this process: the numbers behind summaries and dumps."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass
+class CompileRecord:
+    graph: str  # "graph_000", unique in the process
+    mode: str = "training"  # or "inference"
+    compiler: str = "inductor"
+    dynamo_nodes: int = 0
+    joint_nodes: int = 0
+    forward_nodes: int = 0
+    backward_nodes: int = 0
+    saved_values: int = 0
+    saved_bytes: int = 0
+    resident_bytes: int = 0
+    predicted_peak_bytes: int | None = None
+    peak_node: str | None = None
+    total_flops: int = 0
+    symbolic_shapes: bool = False
+    pass_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    dump_dir: str | None = None
+    fallback: str | None = None  # the error that made this graph fall back to plain Inductor
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_RECORDS: list[CompileRecord] = []
+
+
+def add_record(record: CompileRecord) -> None:
+    _RECORDS.append(record)
+
+
+def compile_records() -> list[CompileRecord]:
+    """The records of every graph compiled so far in this process, oldest first."""
+    return list(_RECORDS)
+
+
+def clear_compile_records() -> None:
+    _RECORDS.clear()
