@@ -30,6 +30,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from dpcs_compiler.options import DpcsOptions
 from dpcs_compiler.passes.analysis import Schedule, liveness, memory_timeline, op_cost
+from dpcs_compiler.passes.analysis.fusion import inductor_fusion
 from dpcs_compiler.passes.analysis.memory_timeline import MemoryTimeline
 from dpcs_compiler.passes.infra import AnalysisCache, PassContext, PassTimer, Rewrite, run_rewrites
 from dpcs_compiler.plan import Plan, ValueDecision
@@ -96,6 +97,12 @@ class GraphJob:
         if self.dumper is not None:
             self.dumper.write_graph(name, gm)
 
+    def as_compiled(self, schedule: Schedule) -> Schedule:
+        """The schedule as the final compiler runs it (Inductor fuses pointwise values away)."""
+        if self.options.compiler != "inductor":
+            return schedule
+        return schedule.as_inductor(frozenset().union(*(self.ctx.analyses.get(inductor_fusion, g) for g in schedule.graphs)))
+
     def rewrite(self, stage: str, gm: fx.GraphModule, rewrites: Sequence[Rewrite]) -> fx.GraphModule:
         return run_rewrites(stage, gm, rewrites, self.ctx) if rewrites else gm
 
@@ -134,8 +141,8 @@ class JointPartitioner(CustomPartitionerFn):
         job.record.joint_nodes = len(joint.graph.nodes)
         job.dump_graph("joint", joint)
         with ctx.instrumented("joint", "analyses"):
-            joint_schedule = Schedule.of_joint(
-                joint, num_fwd_outputs=num_fwd_outputs, parameter_indices=job.parameter_indices
+            joint_schedule = job.as_compiled(
+                Schedule.of_joint(joint, num_fwd_outputs=num_fwd_outputs, parameter_indices=job.parameter_indices)
             )
             joint_timeline = ctx.analyses.get(memory_timeline, joint_schedule)
             job.record.total_flops = ctx.analyses.get(op_cost, joint).total_flops
@@ -151,8 +158,10 @@ class JointPartitioner(CustomPartitionerFn):
             kwargs.setdefault("compiler", "inductor")  # Inductor passes it; the eager path asks for the same
             forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
         with ctx.instrumented("step", "analyses"):
-            step = Schedule.of_partition(
-                forward, backward, num_user_outputs=num_fwd_outputs, parameter_indices=job.parameter_indices
+            step = job.as_compiled(
+                Schedule.of_partition(
+                    forward, backward, num_user_outputs=num_fwd_outputs, parameter_indices=job.parameter_indices
+                )
             )
             timeline = ctx.analyses.get(memory_timeline, step)
             live = ctx.analyses.get(liveness, step)
@@ -186,7 +195,7 @@ class PartCompiler:
             job.record.mode = "inference"
             job.record.forward_nodes = len(gm.graph.nodes)
             with job.ctx.instrumented("inference", "analyses"):
-                schedule = Schedule.of_graph(gm, parameter_indices=job.parameter_indices)
+                schedule = job.as_compiled(Schedule.of_graph(gm, parameter_indices=job.parameter_indices))
                 timeline = job.ctx.analyses.get(memory_timeline, schedule)
                 job.record.total_flops = job.ctx.analyses.get(op_cost, gm).total_flops
             job.record_timeline("inference_memory_timeline", timeline)

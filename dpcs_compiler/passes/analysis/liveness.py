@@ -37,6 +37,7 @@ class Liveness:
     allocations: dict[fx.Node, tuple[Buffer, ...]]
     references: dict[fx.Node, tuple[Buffer, ...]]
     sizes: dict[fx.GraphModule, TensorBytes]
+    reuses: dict[Buffer, Buffer]  # new buffer -> the dying input buffer it is written over, in place
 
     @property
     def after_step(self) -> int:
@@ -57,21 +58,32 @@ def liveness(schedule: Schedule, analyses: Any | None = None) -> Liveness:
     for node in schedule.late_inputs:
         position[node] = first_backward if first_backward is not None else after_step
 
-    def translate(buffers: tuple[Buffer, ...]) -> tuple[Buffer, ...]:
-        # A buffer "made" by a backward placeholder that receives a forward value is that value's buffer.
-        out: list[Buffer] = []
-        for b in buffers:
-            source = schedule.receives.get(b.producer)
-            if source is None:
-                out.append(b)
-            else:
-                out.extend(sizes[source.graph.owning_module].references[source])
-        return tuple(out)
-
     allocations: dict[fx.Node, tuple[Buffer, ...]] = {}
     references: dict[fx.Node, tuple[Buffer, ...]] = {}
+
+    def translate(buffers: tuple[Buffer, ...]) -> tuple[Buffer, ...]:
+        # A buffer "made" by a backward placeholder that receives a forward value is that value's buffer;
+        # one "made" by a fused node does not exist: it stands for the buffers that node reads.
+        out: list[Buffer] = []
+        for b in buffers:
+            if b.producer in schedule.receives:
+                source = schedule.receives[b.producer]
+                out.extend(references.get(source) or sizes[source.graph.owning_module].references[source])
+            elif b.producer in schedule.fused:
+                out.extend(references[b.producer])
+            else:
+                out.append(b)
+        return tuple(dict.fromkeys(out))
+
     for gm, analysis in sizes.items():
-        for node, buffers in analysis.allocations.items():
+        for node, buffers in analysis.allocations.items():  # graph order: inputs before their users
+            if node in schedule.fused:
+                # Computed inside its readers' kernels: no buffer; it keeps its inputs' buffers alive instead.
+                allocations[node] = ()
+                references[node] = tuple(
+                    dict.fromkeys(b for arg in node.all_input_nodes for b in references.get(arg, ()))
+                )
+                continue
             allocations[node] = () if node in schedule.receives else buffers
             references[node] = translate(analysis.references[node])
 
@@ -100,11 +112,49 @@ def liveness(schedule: Schedule, analyses: Any | None = None) -> Liveness:
         for buffer in references.get(node, ()):
             if buffer in buffers:
                 buffers[buffer] = Interval(buffers[buffer].start, max(buffers[buffer].end, interval.end))
+    reuses = _in_place_reuses(schedule, sizes, buffers, allocations, references) if schedule.reuses_dying_inputs else {}
     return Liveness(
         schedule=schedule,
+        reuses=reuses,
         values=values,
         buffers=buffers,
         allocations=allocations,
         references=references,
         sizes=sizes,
     )
+
+
+def _in_place_reuses(
+    schedule: Schedule,
+    sizes: dict[fx.GraphModule, TensorBytes],
+    buffers: dict[Buffer, Interval],
+    allocations: dict[fx.Node, tuple[Buffer, ...]],
+    references: dict[fx.Node, tuple[Buffer, ...]],
+) -> dict[Buffer, Buffer]:
+    """Pointwise results that take over an input buffer of equal size dying at the same node."""
+    from dpcs_compiler.passes.analysis.fusion import is_pointwise
+
+    def size(b: Buffer) -> int:
+        return sizes[b.producer.graph.owning_module].hint(b.size)
+
+    reuses: dict[Buffer, Buffer] = {}
+    taken: set[Buffer] = set()
+    for i, node in enumerate(schedule.nodes):
+        made = allocations.get(node, ())
+        if len(made) != 1 or not is_pointwise(node):
+            continue
+        candidates = [
+            b
+            for arg in node.all_input_nodes
+            for b in references.get(arg, ())
+            if b in buffers
+            and b not in taken
+            and buffers[b].end == i
+            and buffers[b].start != BEFORE_STEP
+            and b.producer not in schedule.late_inputs
+            and size(b) == size(made[0])
+        ]
+        if candidates:
+            reuses[made[0]] = candidates[0]
+            taken.add(candidates[0])
+    return reuses

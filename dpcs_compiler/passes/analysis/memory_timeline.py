@@ -104,13 +104,18 @@ def memory_timeline(schedule: Schedule, analyses: Any | None = None) -> MemoryTi
         alive[categories[buffer]] += size[buffer]
     resident = sum(alive.values())
 
+    reused = set(live.reuses.values())  # taken over in place: freed the moment their successor is made
     steps = []
     for i, node in enumerate(live.schedule.nodes):
         for buffer in born_at[i]:
             alive[categories[buffer]] += size[buffer]
+            if buffer in live.reuses:
+                old = live.reuses[buffer]
+                alive[categories[old]] -= size[old]
         during = dict(alive)
         for buffer in freed_after[i]:
-            alive[categories[buffer]] -= size[buffer]
+            if buffer not in reused:
+                alive[categories[buffer]] -= size[buffer]
         steps.append(
             TimelineStep(
                 node=node.name,

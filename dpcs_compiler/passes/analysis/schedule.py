@@ -34,6 +34,9 @@ class Schedule:
     live_out: values still referenced after the step (user outputs and the gradients returned).
     saved: forward values handed to backward.
     gradients: values the backward returns.
+    fused: values the final compiler computes inside their readers' kernels (no buffer of their own).
+    reuses_dying_inputs: the final compiler writes a pointwise result into an input buffer of the same
+        size that dies at that node (Inductor's inplace_buffers / donated_buffer), instead of allocating.
     """
 
     graphs: tuple[GraphModule, ...]
@@ -46,6 +49,8 @@ class Schedule:
     live_out: frozenset[fx.Node]
     saved: frozenset[fx.Node]
     gradients: frozenset[fx.Node]
+    fused: frozenset[fx.Node] = frozenset()
+    reuses_dying_inputs: bool = False
 
     @property
     def first_backward_index(self) -> int | None:
@@ -76,6 +81,11 @@ class Schedule:
             saved=frozenset(),
             gradients=frozenset(),
         )
+
+    def as_inductor(self, fused: frozenset[fx.Node]) -> Schedule:
+        """The same schedule run the way Inductor runs it: `fused` values never materialized, and pointwise
+        results written in place over same-size inputs that die there."""
+        return dataclasses.replace(self, fused=frozenset(fused), reuses_dying_inputs=True)
 
     @classmethod
     def of_joint(cls, gm: GraphModule, *, num_fwd_outputs: int, parameter_indices: Sequence[int] = ()) -> Schedule:
