@@ -11,7 +11,9 @@ absolute peak is `baseline_bytes + peak_increase_bytes` with a baseline the call
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -71,3 +73,71 @@ def measure_peak_memory(fn: Callable[..., T], *args: Any, device: str | torch.de
         level += event.nbytes()
         peak = max(peak, level)
     return result, PeakMemory("cpu", peak, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMeasurement:
+    """One compiled training step (forward + backward, gradients set to None before it), measured.
+
+    predicted_peak_bytes is dpcs's simulated peak of the step's graph (None unless the step compiled to
+    exactly one training graph: a step of several graphs is not one simulated timeline yet).
+    """
+
+    device: str
+    predicted_peak_bytes: int | None
+    measured_peak_bytes: int
+    resident_bytes: int  # parameters, buffers and inputs alive before the step
+    step_seconds: float  # median wall time of the timed steps (no profiler attached)
+    graphs: int
+
+    @property
+    def relative_error(self) -> float | None:
+        if self.predicted_peak_bytes is None:
+            return None
+        return (self.predicted_peak_bytes - self.measured_peak_bytes) / self.measured_peak_bytes
+
+
+def measure_training_step(
+    model: torch.nn.Module,
+    compiled: Callable[..., Any],
+    inputs: Sequence[torch.Tensor],
+    *,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    warmup: int = 2,
+    repeats: int = 5,
+    device: str | torch.device = "cpu",
+) -> StepMeasurement:
+    """Warm up (compiles), measure one step's peak memory, then time `repeats` steps; median time."""
+    from dpcs_compiler.report import compile_records
+
+    first_record = len(compile_records())
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        out = compiled(*inputs)
+        loss = out if loss_fn is None else loss_fn(out)
+        loss.backward()
+
+    for _ in range(warmup):
+        step()
+    model.zero_grad(set_to_none=True)
+    resident = resident_bytes([*model.parameters(), *model.buffers(), *inputs])
+    _, peak = measure_peak_memory(step, device=device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    records = [r for r in compile_records()[first_record:] if r.mode == "training"]
+    predicted = records[0].predicted_peak_bytes if len(records) == 1 else None
+    measured = peak.absolute(resident if peak.baseline_bytes is None else None)
+    return StepMeasurement(
+        device=str(device),
+        predicted_peak_bytes=predicted,
+        measured_peak_bytes=measured,
+        resident_bytes=resident,
+        step_seconds=statistics.median(times),
+        graphs=len(compile_records()) - first_record,
+    )

@@ -17,9 +17,11 @@ which carries the plan's compile key, keeps cache entries of different plans apa
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import logging
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -72,6 +74,10 @@ class GraphJob:
     def start(cls, gm: fx.GraphModule, example_inputs: Sequence[Any], options: DpcsOptions) -> GraphJob:
         name = f"graph_{next(_graph_ids):03d}"
         record = CompileRecord(graph=name, compiler=options.compiler)
+        context = torch._guards.CompileContext.try_get()
+        if context is not None and context.compile_id is not None:
+            record.compile_id = f"{context.compile_id.frame_id}/{context.compile_id.frame_compile_id}"
+            record.attempt = context.attempt
         record.dynamo_nodes = len(gm.graph.nodes)
         timer = PassTimer(record.pass_seconds)
         instruments: list[Any] = [timer]
@@ -104,7 +110,10 @@ class GraphJob:
         return schedule.as_inductor(frozenset().union(*(self.ctx.analyses.get(inductor_fusion, g) for g in schedule.graphs)))
 
     def rewrite(self, stage: str, gm: fx.GraphModule, rewrites: Sequence[Rewrite]) -> fx.GraphModule:
-        return run_rewrites(stage, gm, rewrites, self.ctx) if rewrites else gm
+        """Apply a stage's rewrites to a copy of `gm`: the original stays intact for the fallbacks."""
+        if not rewrites:
+            return gm
+        return run_rewrites(stage, fx.GraphModule(gm, copy.deepcopy(gm.graph)), rewrites, self.ctx)
 
     def record_timeline(self, name: str, timeline: MemoryTimeline) -> None:
         self.record.predicted_peak_bytes = timeline.peak_bytes
@@ -199,11 +208,30 @@ class PartCompiler:
                 timeline = job.ctx.analyses.get(memory_timeline, schedule)
                 job.record.total_flops = job.ctx.analyses.get(op_cost, gm).total_flops
             job.record_timeline("inference_memory_timeline", timeline)
-        rewrites = {"forward": FORWARD_REWRITES, "backward": BACKWARD_REWRITES, "inference": INFERENCE_REWRITES}
-        gm = job.rewrite(kind, gm, rewrites[kind])
+        rewrites = {"forward": FORWARD_REWRITES, "backward": BACKWARD_REWRITES, "inference": INFERENCE_REWRITES}[kind]
+        gm = self._rewrite_or_fall_back(kind, gm, rewrites)
         job.dump_graph(f"{kind}.final", gm)
         job.finish()
         return gm
+
+    def _rewrite_or_fall_back(self, kind: str, gm: fx.GraphModule, rewrites: Sequence[Rewrite]) -> fx.GraphModule:
+        """Rewrite (a copy); if that fails (and not strict), compile the graph as partitioned, with a warning.
+
+        The backward can compile lazily, at the first backward call, outside the backend's own fail-safe.
+        """
+        job = self.job
+        try:
+            return job.rewrite(kind, gm, rewrites)
+        except Exception as error:
+            if job.options.strict:
+                raise
+            job.record.fallback = f"{kind} rewrites skipped: {type(error).__name__}: {error}"
+            warnings.warn(
+                f"dpcs {kind} rewrites failed for {job.record.graph}; compiling its {kind} graph without them: "
+                f"{type(error).__name__}: {error} (dump folder: {job.record.dump_dir or 'none (set dump_dir)'})",
+                stacklevel=2,
+            )
+            return gm
 
     def inductor_inner(self, gm: fx.GraphModule, example_inputs: Sequence[Any], *args: Any, **kwargs: Any):
         """Stands in for Inductor's compile_fx_inner: dpcs rewrites first, then compile_fx_inner."""

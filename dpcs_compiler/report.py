@@ -9,6 +9,8 @@ from typing import Any
 @dataclasses.dataclass
 class CompileRecord:
     graph: str  # "graph_000", unique in the process
+    compile_id: str | None = None  # Dynamo's "frame/compile" id of the graph, when compiled under Dynamo
+    attempt: int = 0  # Dynamo's attempt at that compile (a restarted analysis compiles again)
     mode: str = "training"  # or "inference"
     compiler: str = "inductor"
     dynamo_nodes: int = 0
@@ -34,6 +36,11 @@ _RECORDS: list[CompileRecord] = []
 
 
 def add_record(record: CompileRecord) -> None:
+    """Add a record; one for a later attempt at the same Dynamo compile replaces the discarded attempt's."""
+    if record.compile_id is not None:
+        _RECORDS[:] = [
+            r for r in _RECORDS if not (r.compile_id == record.compile_id and r.attempt < record.attempt)
+        ]
     _RECORDS.append(record)
 
 

@@ -2,9 +2,10 @@
 
 Positions are indices into `Schedule.nodes`. A value is born at its producer (BEFORE_STEP for resident
 inputs, the first backward node for tangents) and lives through its last use; values the step hands back
-(user outputs, gradients) live to AFTER_STEP. A forward value received by backward lives through its last
-backward use, and at least until backward starts (autograd holds saved tensors until then). A buffer lives
-as long as any value that points into it.
+(user outputs, gradients, also a forward value the backward returns unchanged) live to AFTER_STEP. A forward
+value received by backward lives through its last backward use, and at least until backward starts
+(autograd holds saved tensors until then; AFTER_STEP when the backward computes nothing). A buffer lives as
+long as any value that points into it.
 """
 
 from __future__ import annotations
@@ -93,14 +94,17 @@ def liveness(schedule: Schedule, analyses: Any | None = None) -> Liveness:
         for arg in node.all_input_nodes:
             uses.setdefault(schedule.source(arg), []).append(position[node])
 
+    # A value the backward returns as it received it (a gradient the forward computed) is live out too.
+    live_out = schedule.live_out | {schedule.source(n) for n in schedule.live_out}
+    backward_starts = first_backward if first_backward is not None else after_step
     values: dict[fx.Node, Interval] = {}
     for node, start in position.items():
         if node in schedule.receives:
             continue
         end = max(uses.get(node, []), default=start)
-        if node in schedule.saved and first_backward is not None:
-            end = max(end, first_backward)
-        if node in schedule.live_out or (node in schedule.resident):
+        if node in schedule.saved:
+            end = max(end, backward_starts)
+        if node in live_out or node in schedule.resident:
             end = after_step
         values[node] = Interval(start, max(start, end))
 

@@ -112,9 +112,10 @@ def hint_int(expr: sympy.Expr | int, shape_env: Any | None) -> int:
     if shape_env is None:
         raise ValueError(f"size {expr} is symbolic but the graph carries no shape environment to evaluate it")
     substitutions = {}
+    known = getattr(shape_env, "backed_var_to_val", None) or shape_env.var_to_val  # renamed in torch 2.13
     for symbol in expr.free_symbols:
-        if symbol in shape_env.var_to_val:
-            substitutions[symbol] = shape_env.var_to_val[symbol]
+        if symbol in known:
+            substitutions[symbol] = known[symbol]
         else:  # an unbacked (data-dependent) size: use Inductor's fallback guess, as Inductor does
             substitutions[symbol] = torch._inductor.config.unbacked_symint_fallback
     return int(expr.xreplace(substitutions))

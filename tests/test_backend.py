@@ -1,0 +1,154 @@
+"""Registration under the name "dpcs", the fail-safe, and the rewrite hooks of every stage."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import dpcs_compile
+from dpcs_compiler import DpcsFallbackWarning, compile_records, pipeline
+from dpcs_compiler.backend import dpcs_backend
+from dpcs_compiler.passes.infra import Rewrite
+
+FRESH_PROCESS_TRAINING = textwrap.dedent(
+    """
+    import sys, torch
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    compiled = torch.compile(model, backend="dpcs"{options})
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = torch.randn(64, 16), torch.randn(64, 1)
+    losses = []
+    for _ in range(5):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(compiled(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0], losses
+    print("dpcs_compiler imported by the entry point:", "dpcs_compiler" in sys.modules, losses[0], losses[-1])
+    """
+)
+
+
+def test_fresh_process_trains_by_backend_name_eager():
+    _run_fresh(FRESH_PROCESS_TRAINING.format(options=', options={"compiler": "eager"}'))
+
+
+@pytest.mark.inductor
+def test_fresh_process_trains_by_backend_name_default_options():
+    _run_fresh(FRESH_PROCESS_TRAINING.format(options=""))
+
+
+def _run_fresh(code: str) -> None:
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "dpcs_compiler imported by the entry point: True" in result.stdout
+
+
+def test_backend_is_listed_and_looked_up_by_name():
+    assert "dpcs" in torch._dynamo.list_backends()
+    assert torch._dynamo.lookup_backend("dpcs") is dpcs_backend
+
+
+def test_torch_compile_mode_is_rejected_with_a_clear_error():
+    compiled = torch.compile(torch.nn.Linear(4, 4), backend="dpcs", mode="max-autotune")
+    with pytest.raises(Exception, match=r"unexpected torch.compile arguments \['mode'\]"):
+        compiled(torch.randn(2, 4))
+
+
+class Explodes(Rewrite):
+    name = "explodes"
+
+    def run(self, gm, ctx):
+        raise RuntimeError("boom")
+
+
+class ScaleOutputByOne(Rewrite):
+    """Multiplies the graph's first output by 1.0: changes the graph, not the numbers."""
+
+    name = "scale_output_by_one"
+
+    def __init__(self):
+        self.created = []
+
+    def run(self, gm, ctx):
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        first = output.args[0][0]
+        with gm.graph.inserting_before(output):
+            scaled = gm.graph.call_function(torch.mul, (first, 1.0))
+        output.args = ((scaled, *output.args[0][1:]),)
+        self.created.append(scaled)
+        return True
+
+
+def _mlp_and_reference():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    x = torch.randn(5, 8)
+    return model, x, model(x).square().sum()
+
+
+@pytest.mark.inductor
+def test_failing_stage_falls_back_to_plain_inductor_with_a_warning(monkeypatch, tmp_path):
+    monkeypatch.setattr(pipeline, "PRE_AUTOGRAD_REWRITES", (Explodes(),))
+    model, x, expected = _mlp_and_reference()
+    compiled = torch.compile(model, backend="dpcs", options={"dump_dir": tmp_path})
+    with pytest.warns(DpcsFallbackWarning, match=r"falls back to plain Inductor.*boom.*dump folder: .*graph_"):
+        loss = compiled(x).square().sum()
+    loss.backward()
+    torch.testing.assert_close(loss, expected)
+    (record,) = compile_records()
+    assert "boom" in record.fallback
+
+
+def test_failing_stage_raises_when_strict(monkeypatch):
+    monkeypatch.setattr(pipeline, "PRE_AUTOGRAD_REWRITES", (Explodes(),))
+    model, x, _ = _mlp_and_reference()
+    with pytest.raises(Exception, match="dpcs rewrite pre_autograd/explodes failed: boom"):
+        dpcs_compile(model)(x)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_failing_backward_rewrite_is_skipped_unless_strict(monkeypatch, strict):
+    monkeypatch.setattr(pipeline, "BACKWARD_REWRITES", (Explodes(),))
+    model, x, expected = _mlp_and_reference()
+    compiled = torch.compile(model, backend="dpcs", options={"compiler": "eager", "strict": strict})
+    if strict:
+        with pytest.raises(Exception, match="boom"):
+            compiled(x).square().sum().backward()
+        return
+    with pytest.warns(UserWarning, match="backward rewrites failed.*boom"):
+        loss = compiled(x).square().sum()
+        loss.backward()
+    torch.testing.assert_close(loss, expected)
+    assert "backward rewrites skipped" in compile_records()[0].fallback
+
+
+@pytest.mark.parametrize("stage", ["PRE_AUTOGRAD_REWRITES", "FORWARD_REWRITES", "INFERENCE_REWRITES"])
+def test_stage_rewrites_run_stamp_their_nodes_and_keep_numerics(monkeypatch, tmp_path, stage):
+    rewrite = ScaleOutputByOne()
+    monkeypatch.setattr(pipeline, stage, (rewrite,))
+    model, x, expected = _mlp_and_reference()
+    compiled = dpcs_compile(model, dump_dir=tmp_path)
+    if stage == "INFERENCE_REWRITES":
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x).square().sum(), expected.detach())
+    else:
+        loss = compiled(x).square().sum()
+        loss.backward()
+        torch.testing.assert_close(loss, expected)
+    (record,) = compile_records()
+    kind = {"PRE_AUTOGRAD_REWRITES": "pre_autograd", "FORWARD_REWRITES": "forward", "INFERENCE_REWRITES": "inference"}[stage]
+    assert f"{kind}/scale_output_by_one" in record.pass_seconds
+    folder = Path(record.dump_dir)
+    assert folder.parent == tmp_path
+    after = next(folder.glob(f"*_{kind}.scale_output_by_one.after.txt")).read_text()
+    before = next(folder.glob(f"*_{kind}.scale_output_by_one.before.txt")).read_text()
+    assert after.count("torch.mul(") == before.count("torch.mul(") + 1
+    (created,) = rewrite.created
+    assert created.meta["dpcs"] == {"pass": "scale_output_by_one"}
