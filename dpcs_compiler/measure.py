@@ -106,8 +106,13 @@ def measure_training_step(
     warmup: int = 2,
     repeats: int = 5,
     device: str | torch.device = "cpu",
+    predicted_peak_bytes: int | None = None,
 ) -> StepMeasurement:
-    """Warm up (compiles), measure one step's peak memory, then time `repeats` steps; median time."""
+    """Warm up (compiles), measure one step's peak memory, then time `repeats` steps; median time.
+
+    The prediction compared against is `predicted_peak_bytes`, else that of the one training graph the
+    warm-up compiled (None when it compiled none, e.g. already compiled, or several).
+    """
     from dpcs_compiler.report import compile_records
 
     first_record = len(compile_records())
@@ -131,7 +136,9 @@ def measure_training_step(
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
     records = [r for r in compile_records()[first_record:] if r.mode == "training"]
-    predicted = records[0].predicted_peak_bytes if len(records) == 1 else None
+    predicted = predicted_peak_bytes
+    if predicted is None and len(records) == 1:
+        predicted = records[0].predicted_peak_bytes
     measured = peak.absolute(resident if peak.baseline_bytes is None else None)
     return StepMeasurement(
         device=str(device),

@@ -119,3 +119,34 @@ class GraphBreakNet(nn.Module):
         x = self.first(x)
         torch._dynamo.graph_break()
         return self.second(torch.relu(x))
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A model, its inputs and the loss that turns its output into a scalar for backward."""
+
+    name: str
+    model: nn.Module
+    inputs: tuple[torch.Tensor, ...]
+    loss_fn: object  # Callable[[output], scalar tensor]
+
+
+def _mean_square(out: torch.Tensor) -> torch.Tensor:
+    return out.square().mean()
+
+
+def _identity(loss: torch.Tensor) -> torch.Tensor:
+    return loss
+
+
+def workload(name: str, batch: int, *, layers: int = 2, seed: int = 0) -> Workload:
+    """Reference workloads by name: "mlp" (batch = rows), "gpt" (batch = sequences of 128 tokens)."""
+    generator = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    if name == "mlp":
+        return Workload(name, MLP(), (torch.randn(batch, 256, generator=generator),), _mean_square)
+    if name == "gpt":
+        cfg = GPTConfig(layers=layers)
+        idx = torch.randint(0, cfg.vocab, (batch, cfg.block_size), generator=generator)
+        return Workload(name, MiniGPT(cfg), (idx, torch.roll(idx, -1, dims=1)), _identity)
+    raise ValueError(f"unknown workload {name!r}; valid choices: 'mlp', 'gpt'")

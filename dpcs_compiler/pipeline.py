@@ -174,15 +174,17 @@ class JointPartitioner(CustomPartitionerFn):
             )
             timeline = ctx.analyses.get(memory_timeline, step)
             live = ctx.analyses.get(liveness, step)
-            saved = sorted(step.saved - set(step.resident), key=lambda n: n.name)
-            values = tuple(
-                ValueDecision(n.name, sum(live.hint(b) for b in live.allocations.get(n, ()))) for n in saved
-            )
+            # Bytes a saved value keeps alive: the buffers it points into, less those of resident inputs
+            # (a saved transpose of a weight costs nothing extra).
+            kept = {n: [b for b in live.references.get(n, ()) if b.producer not in step.resident] for n in step.saved}
+            saved = sorted((n for n in step.saved if kept[n]), key=lambda n: n.name)
+            values = tuple(ValueDecision(n.name, sum(live.hint(b) for b in kept[n])) for n in saved)
+            saved_buffers = {b for n in saved for b in kept[n]}
         ctx.plan = job.plan.with_values(values)
         job.record.forward_nodes = len(forward.graph.nodes)
         job.record.backward_nodes = len(backward.graph.nodes)
         job.record.saved_values = len(values)
-        job.record.saved_bytes = sum(v.nbytes for v in values)
+        job.record.saved_bytes = sum(live.hint(b) for b in saved_buffers)  # views of one buffer counted once
         job.record_timeline("step_memory_timeline", timeline)
         job.finish()
         log.info(
