@@ -17,6 +17,7 @@ from typing import Any
 import torch.fx as fx
 from torch._dynamo.exc import RestartAnalysis
 
+from dpcs_compiler.debug.dump import write_summary
 from dpcs_compiler.options import DpcsOptions
 from dpcs_compiler.pipeline import compile_graph
 from dpcs_compiler.report import compile_records
@@ -50,6 +51,7 @@ def dpcs_backend(
         dump = new_records[0].dump_dir if new_records and new_records[0].dump_dir else "none (set dump_dir)"
         for record in new_records:
             record.fallback = f"{type(error).__name__}: {error}"
+            write_summary(record)
         warnings.warn(
             f"dpcs failed to compile a graph and falls back to plain Inductor for it: "
             f"{type(error).__name__}: {error} (dump folder: {dump}; pass options={{'strict': True}} to raise)",

@@ -93,7 +93,9 @@ class GraphJob:
         add_record(record)
         parameters = tuple(i for i, x in enumerate(example_inputs) if isinstance(x, torch.nn.Parameter))
         log.info("compiling %s: %d Dynamo nodes", name, record.dynamo_nodes)
-        return cls(options, record, ctx, timer, parameters, dumper)
+        job = cls(options, record, ctx, timer, parameters, dumper)
+        job.finish()  # a compile that stops early still leaves a summary behind
+        return job
 
     @property
     def plan(self) -> Plan:
@@ -125,10 +127,10 @@ class GraphJob:
     def finish(self) -> None:
         """Write the plan and the summary (again after each stage, so a lazy backward updates them)."""
         if self.dumper is not None:
-            self.dumper.write_json("plan.json", self.plan.to_json())
-            from dpcs_compiler.debug.dump import SUMMARY_FILE
+            from dpcs_compiler.debug.dump import write_summary
 
-            self.dumper.write_json(SUMMARY_FILE, self.record.to_json())
+            self.dumper.write_json("plan.json", self.plan.to_json())
+            write_summary(self.record)
 
 
 class JointPartitioner(CustomPartitionerFn):
@@ -227,7 +229,7 @@ class PartCompiler:
         except Exception as error:
             if job.options.strict:
                 raise
-            job.record.fallback = f"{kind} rewrites skipped: {type(error).__name__}: {error}"
+            job.record.fallback = f"{kind} rewrites skipped: {type(error).__name__}: {error}"  # finish() writes it
             warnings.warn(
                 f"dpcs {kind} rewrites failed for {job.record.graph}; compiling its {kind} graph without them: "
                 f"{type(error).__name__}: {error} (dump folder: {job.record.dump_dir or 'none (set dump_dir)'})",

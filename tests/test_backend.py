@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import dpcs_compile
+from dpcs_testing import dpcs_compile
 from dpcs_compiler import DpcsFallbackWarning, compile_records, pipeline
 from dpcs_compiler.backend import dpcs_backend
 from dpcs_compiler.passes.infra import Rewrite

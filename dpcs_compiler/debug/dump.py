@@ -36,14 +36,22 @@ def new_graph_folder(root: Path, graph: str) -> Path:
 
 
 class GraphDumper:
-    """An instrument and a writer: every file is numbered in the order it was written."""
+    """An instrument and a writer: every file is numbered in the order it was written.
+
+    JSON written again under the same name (the plan, after each stage) overwrites its first file; graphs
+    and timelines always get a new number (a rewrite that runs twice in a stage keeps both snapshots).
+    """
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         self._counter = itertools.count()
+        self._paths: dict[str, Path] = {}
 
-    def _path(self, name: str) -> Path:
-        return self.folder / f"{next(self._counter):02d}_{name}"
+    def _path(self, name: str, overwrite: bool = False) -> Path:
+        if overwrite and name in self._paths:
+            return self._paths[name]
+        self._paths[name] = self.folder / f"{next(self._counter):02d}_{name}"
+        return self._paths[name]
 
     def write_graph(self, name: str, gm: fx.GraphModule) -> Path:
         path = self._path(f"{name}.txt")
@@ -51,7 +59,7 @@ class GraphDumper:
         return path
 
     def write_json(self, name: str, payload: Any) -> Path:
-        path = self.folder / name if name == SUMMARY_FILE else self._path(name)
+        path = self.folder / name if name == SUMMARY_FILE else self._path(name, overwrite=True)
         path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
         return path
 
@@ -66,3 +74,9 @@ class GraphDumper:
     def after_pass(self, stage: str, name: str, gm: fx.GraphModule | None, seconds: float, modified: bool) -> None:
         if gm is not None:
             self.write_graph(f"{stage}.{name}.after", gm)
+
+
+def write_summary(record: Any) -> None:
+    """(Re)write a graph's summary.json from its CompileRecord, if the graph is being dumped."""
+    if record.dump_dir is not None:
+        (Path(record.dump_dir) / SUMMARY_FILE).write_text(json.dumps(record.to_json(), indent=2, default=str) + "\n")

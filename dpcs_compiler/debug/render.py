@@ -67,7 +67,8 @@ def plot_timeline(timeline: MemoryTimeline, path: Path, title: str = "") -> Path
     ax.set_xlabel("node (execution order)")
     ax.set_ylabel("live MiB (simulated)")
     ax.set_title(title or "dpcs memory timeline")
-    ax.legend(loc="upper left", fontsize=8)
+    if x:
+        ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

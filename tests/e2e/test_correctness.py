@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import COMPILERS, dpcs_compile
+from dpcs_testing import COMPILERS, dpcs_compile
 from dpcs_compiler import compile_records
 from dpcs_compiler.models import MLP, ConvNet, GPTConfig, GraphBreakNet, MiniGPT
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import COMPILERS
+from dpcs_testing import COMPILERS
 from dpcs_compiler.measure import measure_training_step
 from dpcs_compiler.models import workload
 

@@ -1,0 +1,230 @@
+"""The `dpcs` command: run a training script with dumps on, and summarise dump folders.
+
+    dpcs dump [--out DIR] SCRIPT.py [ARGS ...]   run SCRIPT.py as __main__ with DPCS_DUMP_DIR=DIR, then summarise
+    dpcs show DIR                                 summarise every graph folder under DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import runpy
+import shlex
+import sys
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.console import Console
+
+from dpcs_compiler.debug.dump import SUMMARY_FILE, GraphDumper
+from dpcs_compiler.debug.summary import graph_folders, load_summaries, pass_table, problems, summary_table
+from dpcs_compiler.options import DUMP_DIR_ENV
+from dpcs_compiler.report import CompileRecord, compile_records
+
+log = logging.getLogger("dpcs.cli")
+
+DEFAULT_DUMP_DIR = "dpcs_dump"
+EXIT_USAGE = 2  # like argparse: bad arguments, nothing to show
+_WIDE = 200  # columns when stdout is not a terminal, so piped tables keep whole rows
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dpcs",
+        description="Inspect what the dpcs torch.compile backend does to your model's graphs.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="""\
+example:
+  dpcs dump --out dumps train.py --epochs 1    # train.py sees sys.argv == ["train.py", "--epochs", "1"]
+  dpcs show dumps
+
+Each graph compiled with backend="dpcs" gets a folder graph_NNN/ holding, numbered in the order they
+were written: the Dynamo graph, the joint graph, simulated memory timelines (.txt table and .png
+plot), the plan, the final forward/backward graphs, before/after graphs of every rewrite; and
+summary.json. Without this command, set DPCS_DUMP_DIR (or the backend option dump_dir) to dump.""",
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="log dpcs progress (-vv: debug)")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    dump = commands.add_parser(
+        "dump",
+        help="run a script with dumps on, then summarise the graphs it compiled",
+        description=(
+            "Run SCRIPT.py in this process as __main__ (sys.argv = [SCRIPT.py, *ARGS], its folder first on "
+            "sys.path) with DPCS_DUMP_DIR=DIR, so every graph it compiles with backend='dpcs' is dumped under "
+            "DIR; then print where the dumps are and their summary. Everything after SCRIPT.py goes to the "
+            "script. Exits with the script's exit status. A dump_dir passed in the script's backend options "
+            "takes precedence over --out."
+        ),
+        usage="dpcs dump [-h] [--out DIR] SCRIPT.py [ARGS ...]",
+    )
+    dump.add_argument(
+        "--out", metavar="DIR", type=Path, default=Path(DEFAULT_DUMP_DIR),
+        help=f"dump folder (default: ./{DEFAULT_DUMP_DIR}); earlier dumps in it are kept",
+    )
+    dump.add_argument("script_and_args", nargs=argparse.REMAINDER, metavar="SCRIPT.py [ARGS ...]",
+                      help="the script to run and its own arguments")
+    dump.set_defaults(run=_dump_command, command_parser=dump)
+
+    show = commands.add_parser(
+        "show",
+        help="summarise the graph folders under a dump folder",
+        description=(
+            "Print one row per graph folder found under DIR (at any depth): mode, final compiler, node counts "
+            "of the Dynamo / joint / forward / backward graphs, bytes saved for backward, the simulated peak "
+            "and the node where it occurs, dpcs pass time and whether the graph fell back to plain Inductor; "
+            "then the time per pass summed over the graphs."
+        ),
+    )
+    show.add_argument("dir", metavar="DIR", type=Path, help="a folder written by `dpcs dump` or DPCS_DUMP_DIR")
+    show.set_defaults(run=_show_command, command_parser=show)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `dpcs` console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _configure_logging(args.verbose)
+    out = Console(file=sys.stdout, width=None if sys.stdout.isatty() else _WIDE)
+    err = Console(file=sys.stderr, width=None if sys.stderr.isatty() else _WIDE)
+    return args.run(args, args.command_parser, out, err)
+
+
+def _configure_logging(verbosity: int) -> None:
+    if verbosity <= 0:
+        return
+    logger = logging.getLogger("dpcs")
+    logger.setLevel(logging.DEBUG if verbosity > 1 else logging.INFO)
+    if not any(getattr(h, "_dpcs_cli", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(name)s %(levelname)s: %(message)s"))
+        handler._dpcs_cli = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+
+
+def _show_command(args: argparse.Namespace, parser: argparse.ArgumentParser, out: Console, err: Console) -> int:
+    root: Path = args.dir
+    if not root.is_dir():
+        err.print(f"dpcs show: error: {root} is not a folder" + ("" if root.exists() else " (it does not exist)"),
+                  markup=False, highlight=False)
+        return EXIT_USAGE
+    summaries = load_summaries(root)
+    if not summaries:
+        err.print(
+            f"dpcs show: error: no graph folders under {root} (a graph folder holds {SUMMARY_FILE}; "
+            f"write some with `dpcs dump --out {root} SCRIPT.py`)",
+            markup=False, highlight=False,
+        )
+        return EXIT_USAGE
+    print_summary(summaries, root, out)
+    return 0
+
+
+def print_summary(summaries: Sequence[dict], root: Path, out: Console) -> None:
+    out.print(summary_table(summaries, root))
+    out.print(pass_table(summaries))
+    for line in problems(summaries, root):
+        out.print(f"[red]fallback or incomplete[/red] {line}", highlight=False)
+
+
+def _dump_command(args: argparse.Namespace, parser: argparse.ArgumentParser, out: Console, err: Console) -> int:
+    command = list(args.script_and_args)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        parser.error("the following arguments are required: SCRIPT.py")
+    script, script_args = Path(command[0]), command[1:]
+    if not script.is_file():
+        err.print(f"dpcs dump: error: no script at {script}", markup=False, highlight=False)
+        return EXIT_USAGE
+    root = args.out.resolve()
+    earlier = set(graph_folders(root))
+    log.info("running %s with %s=%s", shlex.join([str(script), *script_args]), DUMP_DIR_ENV, root)
+    records_before = compile_records()
+    status = run_script(script, script_args, dump_dir=root)
+    _rewrite_fallback_summaries([r for r in compile_records() if not any(r is b for b in records_before)])
+
+    summaries = [s for s in load_summaries(root) if Path(s["folder"]) not in earlier]
+    ending = f"; {script} exited with status {status}" if status else ""
+    if not summaries:
+        err.print(
+            f"dpcs dump: no graphs were dumped under {root}{ending} (did the script call "
+            "torch.compile(..., backend='dpcs') and run the compiled model?)",
+            markup=False, highlight=False,
+        )
+        return status
+    out.print(f"dpcs dump: {len(summaries)} graph folder(s) under {root}{ending}", markup=False, highlight=False)
+    for summary in summaries:
+        out.print(f"  {summary['folder']}", markup=False, highlight=False)
+    if earlier:
+        out.print(f"  ({len(earlier)} earlier graph folder(s) there not shown; `dpcs show {root}` lists all)",
+                  markup=False, highlight=False)
+    print_summary(summaries, root, out)
+    return status
+
+
+def run_script(script: Path, script_args: Sequence[str], dump_dir: Path) -> int:
+    """Run `script` as __main__ like `python SCRIPT ARGS` would, with dumps on; return its exit status.
+
+    Dynamo is reset first, so that every graph the script runs compiles here. sys.argv, sys.path and the
+    environment are restored afterwards. An uncaught exception is printed (from the script's own frames
+    on) and gives status 1, like the interpreter.
+    """
+    import torch._dynamo
+
+    saved_argv, saved_path, saved_env = sys.argv, sys.path[:], os.environ.get(DUMP_DIR_ENV)
+
+    torch._dynamo.reset()  # graphs cached by an earlier run in this process would not compile, nor dump, again
+    sys.argv = [str(script), *script_args]
+    sys.path.insert(0, str(script.resolve().parent))
+    os.environ[DUMP_DIR_ENV] = str(dump_dir)
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+        return 0
+    except SystemExit as exit:
+        return _exit_status(exit.code)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        return 130
+    except Exception as error:  # noqa: BLE001 - the script's failure becomes its exit status
+        sys.stdout.flush()
+        traceback.print_exception(type(error), error, _from_script(error.__traceback__, script))
+        return 1
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+        if saved_env is None:
+            os.environ.pop(DUMP_DIR_ENV, None)
+        else:
+            os.environ[DUMP_DIR_ENV] = saved_env
+
+
+def _exit_status(code: object) -> int:
+    """What the interpreter does with SystemExit(code): None is 0, an int is itself, anything else is printed, 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _from_script(tb, script: Path):
+    """The traceback from the script's first frame on (runpy's and dpcs's frames left out)."""
+    first = tb
+    while first is not None and first.tb_frame.f_code.co_filename != str(script):
+        first = first.tb_next
+    return first or tb
+
+
+def _rewrite_fallback_summaries(records: Sequence[CompileRecord]) -> None:
+    """A graph that fell back after its summary was written still says fallback=None there; rewrite it."""
+    for record in records:
+        if record.fallback and record.dump_dir and Path(record.dump_dir).is_dir():
+            GraphDumper(Path(record.dump_dir)).write_json(SUMMARY_FILE, record.to_json())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
