@@ -135,11 +135,19 @@ def _in_place_reuses(
     allocations: dict[fx.Node, tuple[Buffer, ...]],
     references: dict[fx.Node, tuple[Buffer, ...]],
 ) -> dict[Buffer, Buffer]:
-    """Pointwise results that take over an input buffer of equal size dying at the same node."""
+    """Pointwise results that take over an input buffer of equal size and dtype dying at the same node.
+
+    Inductor's `can_match_buffer_size` asks for the same dtype too: a cast between two dtypes of one width
+    (float32 to int32) allocates its result.
+    """
     from dpcs_compiler.passes.analysis.fusion import is_pointwise
 
     def size(b: Buffer) -> int:
         return sizes[b.producer.graph.owning_module].hint(b.size)
+
+    def dtype(b: Buffer) -> Any:
+        value = b.producer.meta["val"]
+        return (value if b.index is None else value[b.index]).dtype
 
     reuses: dict[Buffer, Buffer] = {}
     taken: set[Buffer] = set()
@@ -157,6 +165,7 @@ def _in_place_reuses(
             and buffers[b].start != BEFORE_STEP
             and b.producer not in schedule.late_inputs
             and size(b) == size(made[0])
+            and dtype(b) == dtype(made[0])
         ]
         if candidates:
             reuses[made[0]] = candidates[0]
