@@ -112,7 +112,8 @@ def hint_int(expr: sympy.Expr | int, shape_env: Any | None) -> int:
     if shape_env is None:
         raise ValueError(f"size {expr} is symbolic but the graph carries no shape environment to evaluate it")
     substitutions = {}
-    known = getattr(shape_env, "backed_var_to_val", None) or shape_env.var_to_val  # renamed in torch 2.13
+    # torch 2.13 renamed var_to_val to backed_var_to_val (the old name warns); 2.11 has only the old one.
+    known = shape_env.backed_var_to_val if hasattr(shape_env, "backed_var_to_val") else shape_env.var_to_val
     for symbol in expr.free_symbols:
         if symbol in known:
             substitutions[symbol] = known[symbol]
