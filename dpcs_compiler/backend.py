@@ -8,6 +8,7 @@ falls back to plain Inductor with a warning naming the error and the dump folder
 
 from __future__ import annotations
 
+import copy
 import logging
 import traceback
 import warnings
@@ -15,12 +16,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.fx as fx
-from torch._dynamo.exc import RestartAnalysis
+from torch._dynamo.exc import RestartAnalysis, ShortenTraceback, SkipFrame
 
 from dpcs_compiler.debug.dump import write_summary
 from dpcs_compiler.options import DpcsOptions
 from dpcs_compiler.pipeline import compile_graph
-from dpcs_compiler.report import compile_records
+from dpcs_compiler.report import compile_records, records_since
 
 log = logging.getLogger("dpcs.backend")
 
@@ -39,15 +40,17 @@ def dpcs_backend(
             "pass dpcs settings through options={...} (mode= is not supported)"
         )
     opts = DpcsOptions.from_dict(options)
-    records_before = len(compile_records())
+    records_before = compile_records()
     try:
-        return compile_graph(gm, example_inputs, opts)
-    except RestartAnalysis:
+        # Inductor takes ownership of the graph it compiles and mutates it: dpcs gets a copy, so the
+        # fallback compiles the graph exactly as Dynamo made it.
+        return compile_graph(fx.GraphModule(gm, copy.deepcopy(gm.graph)), example_inputs, opts)
+    except (RestartAnalysis, SkipFrame, ShortenTraceback):
         raise  # Dynamo's own control flow, not a failure
     except Exception as error:
         if opts.strict:
             raise
-        new_records = compile_records()[records_before:]
+        new_records = records_since(records_before)
         dump = new_records[0].dump_dir if new_records and new_records[0].dump_dir else "none (set dump_dir)"
         for record in new_records:
             record.fallback = f"{type(error).__name__}: {error}"

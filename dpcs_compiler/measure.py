@@ -113,9 +113,9 @@ def measure_training_step(
     The prediction compared against is `predicted_peak_bytes`, else that of the one training graph the
     warm-up compiled (None when it compiled none, e.g. already compiled, or several).
     """
-    from dpcs_compiler.report import compile_records
+    from dpcs_compiler.report import compile_records, records_since
 
-    first_record = len(compile_records())
+    records_before = compile_records()
 
     def step() -> None:
         model.zero_grad(set_to_none=True)
@@ -135,7 +135,8 @@ def measure_training_step(
         if torch.device(device).type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
-    records = [r for r in compile_records()[first_record:] if r.mode == "training"]
+    new_records = records_since(records_before)
+    records = [r for r in new_records if r.mode == "training"]
     predicted = predicted_peak_bytes
     if predicted is None and len(records) == 1:
         predicted = records[0].predicted_peak_bytes
@@ -146,5 +147,5 @@ def measure_training_step(
         measured_peak_bytes=measured,
         resident_bytes=resident,
         step_seconds=statistics.median(times),
-        graphs=len(compile_records()) - first_record,
+        graphs=len(new_records),
     )

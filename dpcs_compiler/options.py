@@ -68,6 +68,6 @@ class DpcsOptions:
         }
 
     def fingerprint(self) -> str:
-        """Stable hash of the options that change compiled code (the dump folder does not)."""
-        relevant = {k: v for k, v in self.to_json().items() if k != "dump_dir"}
+        """Stable hash of the options that change compiled code (the dump folder and strictness do not)."""
+        relevant = {k: v for k, v in self.to_json().items() if k not in ("dump_dir", "strict")}
         return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]

@@ -17,6 +17,7 @@ which carries the plan's compile key, keeps cache entries of different plans apa
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import itertools
@@ -203,6 +204,28 @@ class PartCompiler:
         self.job = job
 
     def prepare(self, kind: str, gm: fx.GraphModule) -> fx.GraphModule:
+        """dpcs's work on one part, guarded: if any of it fails (and not strict), the part compiles as given.
+
+        The backward can compile lazily, at the first backward call, outside the backend's own fail-safe;
+        rewrites work on a copy, so the graph given here is intact for that fallback.
+        """
+        job = self.job
+        try:
+            return self._prepare(kind, gm)
+        except Exception as error:
+            if job.options.strict:
+                raise
+            job.record.fallback = f"{kind} stage skipped: {type(error).__name__}: {error}"
+            warnings.warn(
+                f"dpcs {kind} stage failed for {job.record.graph}; compiling its {kind} graph without it: "
+                f"{type(error).__name__}: {error} (dump folder: {job.record.dump_dir or 'none (set dump_dir)'})",
+                stacklevel=2,
+            )
+            with contextlib.suppress(Exception):  # the summary is best effort here: the dump may be what failed
+                job.finish()
+            return gm
+
+    def _prepare(self, kind: str, gm: fx.GraphModule) -> fx.GraphModule:
         job = self.job
         if kind == "inference":
             job.record.mode = "inference"
@@ -213,29 +236,10 @@ class PartCompiler:
                 job.record.total_flops = job.ctx.analyses.get(op_cost, gm).total_flops
             job.record_timeline("inference_memory_timeline", timeline)
         rewrites = {"forward": FORWARD_REWRITES, "backward": BACKWARD_REWRITES, "inference": INFERENCE_REWRITES}[kind]
-        gm = self._rewrite_or_fall_back(kind, gm, rewrites)
+        gm = job.rewrite(kind, gm, rewrites)
         job.dump_graph(f"{kind}.final", gm)
         job.finish()
         return gm
-
-    def _rewrite_or_fall_back(self, kind: str, gm: fx.GraphModule, rewrites: Sequence[Rewrite]) -> fx.GraphModule:
-        """Rewrite (a copy); if that fails (and not strict), compile the graph as partitioned, with a warning.
-
-        The backward can compile lazily, at the first backward call, outside the backend's own fail-safe.
-        """
-        job = self.job
-        try:
-            return job.rewrite(kind, gm, rewrites)
-        except Exception as error:
-            if job.options.strict:
-                raise
-            job.record.fallback = f"{kind} rewrites skipped: {type(error).__name__}: {error}"  # finish() writes it
-            warnings.warn(
-                f"dpcs {kind} rewrites failed for {job.record.graph}; compiling its {kind} graph without them: "
-                f"{type(error).__name__}: {error} (dump folder: {job.record.dump_dir or 'none (set dump_dir)'})",
-                stacklevel=2,
-            )
-            return gm
 
     def inductor_inner(self, gm: fx.GraphModule, example_inputs: Sequence[Any], *args: Any, **kwargs: Any):
         """Stands in for Inductor's compile_fx_inner: dpcs rewrites first, then compile_fx_inner."""
@@ -262,7 +266,7 @@ def aot_compile(
     compiler: str,
 ) -> Callable:
     """AOTAutograd with dpcs's partitioner and part compiler, then the chosen final compiler."""
-    with torch._functorch.config.patch(enable_autograd_cache=False):
+    with torch._functorch.config.patch(enable_autograd_cache=False, enable_remote_autograd_cache=False):
         if compiler == "inductor":
             from torch._inductor.compile_fx import compile_fx
 
@@ -270,7 +274,11 @@ def aot_compile(
                 gm,
                 example_inputs,
                 inner_compile=part_compiler.inductor_inner,
-                config_patches={"custom_partitioner_fn": partitioner, "fx_graph_cache": False},
+                config_patches={
+                    "custom_partitioner_fn": partitioner,
+                    "fx_graph_cache": False,
+                    "fx_graph_remote_cache": False,
+                },
             )
         from torch._dynamo.backends.common import aot_autograd
         from torch._inductor.decomposition import select_decomp_table

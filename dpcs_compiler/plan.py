@@ -2,9 +2,10 @@
 
 Rewrites read their decisions from the plan only. Today the partition is torch's min-cut, so the plan
 records its outcome (which forward values are saved for backward); the memory planner will write
-SAVE / RECOMPUTE / OFFLOAD decisions here. The hash of what determines compiled code (options, the
-partitioner, dpcs's own source) is part of every Inductor cache key, so a graph compiled for one plan
-is never reused for another.
+SAVE / RECOMPUTE / OFFLOAD decisions here. `compile_key` hashes the inputs the plan is derived from
+(options, partitioner, dpcs's own source) and is the partitioner's uuid in Inductor's cache keys; the
+caches are off for dpcs graphs today, and a planner whose decisions depend on more (a hardware profile,
+a budget) must add that to the key.
 """
 
 from __future__ import annotations

@@ -49,5 +49,12 @@ def compile_records() -> list[CompileRecord]:
     return list(_RECORDS)
 
 
+def records_since(snapshot: list[CompileRecord]) -> list[CompileRecord]:
+    """Records added after `snapshot = compile_records()` was taken (by identity: a restarted Dynamo
+    attempt replaces its predecessor's record, so counting would miss records)."""
+    known = {id(r) for r in snapshot}
+    return [r for r in _RECORDS if id(r) not in known]
+
+
 def clear_compile_records() -> None:
     _RECORDS.clear()

@@ -28,7 +28,7 @@ class Schedule:
     nodes: every compute node (call_function / call_module / get_attr) in execution order.
     phase: FORWARD or BACKWARD for every node, placeholders included.
     resident: placeholders whose values exist before the step starts (parameters, user inputs).
-    parameters: the resident placeholders that are module parameters or buffers.
+    parameters: the resident placeholders that are nn.Parameters (module buffers count as inputs).
     late_inputs: placeholders made at the start of backward (tangents), born at the first backward node.
     receives: backward placeholder -> the forward node whose value it receives.
     live_out: values still referenced after the step (user outputs and the gradients returned).
