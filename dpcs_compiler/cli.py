@@ -18,10 +18,9 @@ from pathlib import Path
 
 from rich.console import Console
 
-from dpcs_compiler.debug.dump import SUMMARY_FILE, GraphDumper
+from dpcs_compiler.debug.dump import SUMMARY_FILE
 from dpcs_compiler.debug.summary import graph_folders, load_summaries, pass_table, problems, summary_table
 from dpcs_compiler.options import DUMP_DIR_ENV
-from dpcs_compiler.report import CompileRecord, compile_records
 
 log = logging.getLogger("dpcs.cli")
 
@@ -143,9 +142,7 @@ def _dump_command(args: argparse.Namespace, parser: argparse.ArgumentParser, out
     root = args.out.resolve()
     earlier = set(graph_folders(root))
     log.info("running %s with %s=%s", shlex.join([str(script), *script_args]), DUMP_DIR_ENV, root)
-    records_before = compile_records()
     status = run_script(script, script_args, dump_dir=root)
-    _rewrite_fallback_summaries([r for r in compile_records() if not any(r is b for b in records_before)])
 
     summaries = [s for s in load_summaries(root) if Path(s["folder"]) not in earlier]
     ending = f"; {script} exited with status {status}" if status else ""
@@ -217,13 +214,6 @@ def _from_script(tb, script: Path):
     while first is not None and first.tb_frame.f_code.co_filename != str(script):
         first = first.tb_next
     return first or tb
-
-
-def _rewrite_fallback_summaries(records: Sequence[CompileRecord]) -> None:
-    """A graph that fell back after its summary was written still says fallback=None there; rewrite it."""
-    for record in records:
-        if record.fallback and record.dump_dir and Path(record.dump_dir).is_dir():
-            GraphDumper(Path(record.dump_dir)).write_json(SUMMARY_FILE, record.to_json())
 
 
 if __name__ == "__main__":

@@ -67,7 +67,6 @@ class GraphJob:
     options: DpcsOptions
     record: CompileRecord
     ctx: PassContext
-    timer: PassTimer
     parameter_indices: tuple[int, ...]
     dumper: Any | None = None
 
@@ -80,8 +79,7 @@ class GraphJob:
             record.compile_id = f"{context.compile_id.frame_id}/{context.compile_id.frame_compile_id}"
             record.attempt = context.attempt
         record.dynamo_nodes = len(gm.graph.nodes)
-        timer = PassTimer(record.pass_seconds)
-        instruments: list[Any] = [timer]
+        instruments: list[Any] = [PassTimer(record.pass_seconds)]
         dumper = None
         if options.dump_dir is not None:
             from dpcs_compiler.debug.dump import GraphDumper, new_graph_folder
@@ -89,12 +87,12 @@ class GraphJob:
             dumper = GraphDumper(new_graph_folder(options.dump_dir, name))
             record.dump_dir = str(dumper.folder)
             instruments.append(dumper)
-        ctx = PassContext(plan=Plan(graph=name, options_fingerprint=options.fingerprint()), analyses=AnalysisCache())
-        ctx.instruments = instruments
+        plan = Plan(graph=name, options_fingerprint=options.fingerprint())
+        ctx = PassContext(plan=plan, analyses=AnalysisCache(), instruments=instruments)
         add_record(record)
         parameters = tuple(i for i, x in enumerate(example_inputs) if isinstance(x, torch.nn.Parameter))
         log.info("compiling %s: %d Dynamo nodes", name, record.dynamo_nodes)
-        job = cls(options, record, ctx, timer, parameters, dumper)
+        job = cls(options, record, ctx, parameters, dumper)
         job.finish()  # a compile that stops early still leaves a summary behind
         return job
 
@@ -134,6 +132,16 @@ class GraphJob:
             write_summary(self.record)
 
 
+def has_symbolic_shapes(gm: fx.GraphModule) -> bool:
+    """True if any tensor in the graph has a symbolic (dynamic) size."""
+    return any(
+        isinstance(d, torch.SymInt)
+        for n in gm.graph.nodes
+        if isinstance(v := n.meta.get("val"), torch.Tensor)
+        for d in v.shape
+    )
+
+
 class JointPartitioner(CustomPartitionerFn):
     """Joint analyses, plan, partition and the simulated memory of the partitioned step."""
 
@@ -158,12 +166,7 @@ class JointPartitioner(CustomPartitionerFn):
             )
             joint_timeline = ctx.analyses.get(memory_timeline, joint_schedule)
             job.record.total_flops = ctx.analyses.get(op_cost, joint).total_flops
-            job.record.symbolic_shapes = any(
-                isinstance(d, torch.SymInt)
-                for n in joint.graph.nodes
-                if isinstance(v := n.meta.get("val"), torch.Tensor)
-                for d in v.shape
-            )
+            job.record.symbolic_shapes = has_symbolic_shapes(joint)
         if job.dumper is not None:
             job.dumper.write_timeline("joint_memory_timeline", joint_timeline, f"{job.record.graph} joint (no partition)")
         with ctx.instrumented("partition", "min_cut"):
@@ -234,6 +237,7 @@ class PartCompiler:
                 schedule = job.as_compiled(Schedule.of_graph(gm, parameter_indices=job.parameter_indices))
                 timeline = job.ctx.analyses.get(memory_timeline, schedule)
                 job.record.total_flops = job.ctx.analyses.get(op_cost, gm).total_flops
+                job.record.symbolic_shapes = has_symbolic_shapes(gm)
             job.record_timeline("inference_memory_timeline", timeline)
         rewrites = {"forward": FORWARD_REWRITES, "backward": BACKWARD_REWRITES, "inference": INFERENCE_REWRITES}[kind]
         gm = job.rewrite(kind, gm, rewrites)

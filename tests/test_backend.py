@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -104,6 +105,8 @@ def test_failing_stage_falls_back_to_plain_inductor_with_a_warning(monkeypatch, 
     torch.testing.assert_close(loss, expected)
     (record,) = compile_records()
     assert "boom" in record.fallback
+    on_disk = json.loads((Path(record.dump_dir) / "summary.json").read_text())
+    assert "boom" in on_disk["fallback"]
 
 
 def test_failing_stage_raises_when_strict(monkeypatch):

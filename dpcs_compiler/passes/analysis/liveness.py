@@ -16,6 +16,7 @@ from typing import Any
 import torch.fx as fx
 
 from dpcs_compiler.passes.analysis.base import require
+from dpcs_compiler.passes.analysis.fusion import is_pointwise
 from dpcs_compiler.passes.analysis.schedule import Schedule
 from dpcs_compiler.passes.analysis.tensor_bytes import Buffer, TensorBytes, tensor_bytes
 
@@ -140,8 +141,6 @@ def _in_place_reuses(
     Inductor's `can_match_buffer_size` asks for the same dtype too: a cast between two dtypes of one width
     (float32 to int32) allocates its result.
     """
-    from dpcs_compiler.passes.analysis.fusion import is_pointwise
-
     def size(b: Buffer) -> int:
         return sizes[b.producer.graph.owning_module].hint(b.size)
 

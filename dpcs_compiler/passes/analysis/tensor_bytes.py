@@ -15,6 +15,7 @@ from typing import Any
 
 import sympy
 import torch
+import torch._inductor.config
 import torch.fx as fx
 from torch._prims_common import compute_required_storage_length
 
@@ -75,14 +76,8 @@ def _tensors(value: Any) -> list[tuple[int | None, torch.Tensor]]:
 
 
 def _view_base(node: fx.Node) -> fx.Node | None:
-    for arg in node.args:
-        if isinstance(arg, fx.Node):
-            return arg
-        if isinstance(arg, (list, tuple)):  # e.g. aten.cat-like aliasing ops are not views; first list input
-            for a in arg:
-                if isinstance(a, fx.Node):
-                    return a
-    return None
+    """The aliased input: `self`, the first tensor argument, of every aten view and in-place op."""
+    return next((arg for arg in node.args if isinstance(arg, fx.Node)), None)
 
 
 @dataclasses.dataclass(frozen=True)
