@@ -1,0 +1,398 @@
+"""What the device can do: matmul FLOP/s per dtype, memory and host-link bandwidth, per-op fixed cost.
+
+`measure_hardware_profile` times a few small benchmarks (median of repetitions after warm-up; matrix sizes
+grow until one call is long enough to time or a per-dtype time box runs out, so the whole measurement stays
+within a few seconds even where a dtype is emulated slowly). `hardware_profile` measures once per device and
+caches the result on disk as JSON, keyed by device, format version and torch version, plus an in-process memo.
+A cached file that does not parse or describes another device, format or torch is re-measured and
+overwritten, never trusted.
+
+Figures are measured under the process's current settings (thread count, which is part of the CPU key, and
+torch's float32 matmul precision, which is not): pass `refresh=True` after changing the latter.
+
+On a shared CPU, other processes competing for the cores slow multithreaded kernels by up to 1000x (threads
+wait at barriers for descheduled siblings). The profile records the share of its threads' CPU time the
+process got during the float32 matmul benchmark; a profile measured below `BUSY_CPU_SHARE` is used but not
+written to disk, so a quieter process measures again instead of inheriting pessimistic figures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import re
+import statistics
+import tempfile
+import time
+import types
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+
+BUSY_CPU_SHARE = 0.5  # a quiet CPU gives ~1 while multithreaded matmuls run
+
+_CACHE_ENV = "DPCS_CACHE_DIR"
+
+
+@dataclasses.dataclass(frozen=True)
+class HardwareProfile:
+    """Measured speeds of one device; all rates per second, `launch_overhead_s` the fixed cost of one op.
+
+    matmul_flops maps torch dtype names ("float32", "bfloat16", ...) to FLOP/s; float32 is always present.
+    host_to_device / device_to_host are pinned-memory copy bandwidths, None on CPU where there is no host link.
+    cpu_share: CPU time the process got / (wall time x threads) during the float32 matmuls; None on CUDA.
+    """
+
+    device_key: str
+    torch_version: str
+    format_version: int
+    matmul_flops: Mapping[str, float] = dataclasses.field(hash=False)
+    memory_bandwidth: float
+    host_to_device: float | None
+    device_to_host: float | None
+    launch_overhead_s: float
+    measured_at: str
+    cpu_share: float | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "matmul_flops", types.MappingProxyType(dict(self.matmul_flops)))
+        for name in ("device_key", "torch_version", "measured_at"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"hardware profile: {name} must be a string, got {getattr(self, name)!r}")
+        if not isinstance(self.format_version, int) or isinstance(self.format_version, bool):
+            raise ValueError(f"hardware profile: format_version must be an int, got {self.format_version!r}")
+        if "float32" not in self.matmul_flops:
+            raise ValueError("hardware profile: matmul_flops needs a float32 figure (the fallback for other dtypes)")
+        for dtype, rate in self.matmul_flops.items():
+            if not isinstance(dtype, str):
+                raise ValueError(f"hardware profile: matmul_flops keys are dtype names, got {dtype!r}")
+            _check_rate(f"matmul_flops[{dtype!r}]", rate)
+        _check_rate("memory_bandwidth", self.memory_bandwidth)
+        for name in ("host_to_device", "device_to_host"):
+            if getattr(self, name) is not None:
+                _check_rate(name, getattr(self, name))
+        if not _is_real(self.launch_overhead_s) or not 0 <= self.launch_overhead_s < math.inf:
+            raise ValueError(
+                f"hardware profile: launch_overhead_s must be finite and >= 0, got {self.launch_overhead_s!r}"
+            )
+        if self.cpu_share is not None and (not _is_real(self.cpu_share) or not 0 <= self.cpu_share < math.inf):
+            raise ValueError(f"hardware profile: cpu_share must be None or finite and >= 0, got {self.cpu_share!r}")
+
+    @property
+    def busy(self) -> bool:
+        """Whether other processes held the CPU while this was measured (its figures are then pessimistic)."""
+        return self.cpu_share is not None and self.cpu_share < BUSY_CPU_SHARE
+
+    def __reduce__(self):
+        """Pickle and deepcopy through the constructor (a read-only mapping proxy cannot be pickled itself)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return _rebuild_profile, (fields | {"matmul_flops": dict(self.matmul_flops)},)
+
+
+def _rebuild_profile(fields: dict[str, object]) -> HardwareProfile:
+    return HardwareProfile(**fields)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_rate(name: str, value: object) -> None:
+    if not _is_real(value) or not 0 < value < math.inf:
+        raise ValueError(f"hardware profile: {name} must be positive and finite, got {value!r}")
+
+
+# ----------------------------------------------------------------------------------------------- JSON
+
+
+def profile_to_json(profile: HardwareProfile) -> str:
+    """The profile as a JSON object (the cache file's content)."""
+    fields = {f.name: getattr(profile, f.name) for f in dataclasses.fields(profile)}
+    fields["matmul_flops"] = dict(profile.matmul_flops)
+    return json.dumps(fields, indent=2, sort_keys=True)
+
+
+def profile_from_json(text: str) -> HardwareProfile:
+    """Parse `profile_to_json`'s output; ValueError for anything that is not a complete, valid profile."""
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"hardware profile: not JSON ({e})") from e
+    names = {f.name for f in dataclasses.fields(HardwareProfile)}
+    if not isinstance(data, dict) or set(data) != names:
+        got = sorted(data) if isinstance(data, dict) else type(data).__name__
+        raise ValueError(f"hardware profile: expected the fields {sorted(names)}, got {got}")
+    if not isinstance(data["matmul_flops"], dict):
+        raise ValueError(f"hardware profile: matmul_flops must be an object, got {data['matmul_flops']!r}")
+    return HardwareProfile(**data)
+
+
+# ----------------------------------------------------------------------------------------------- devices
+
+
+def _resolve_device(device: torch.device | str) -> torch.device:
+    """A concrete cpu or cuda:<index> device; ValueError naming the value for anything else."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise ValueError(f"not a device: {device!r} ({e})") from e
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: CUDA is not available in this process")
+        index = torch.cuda.current_device() if dev.index is None else dev.index
+        if not 0 <= index < torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: no such CUDA device (count {torch.cuda.device_count()})")
+        return torch.device("cuda", index)
+    raise ValueError(f"device {device!r}: only cpu and cuda devices have a hardware profile")
+
+
+def _cpu_model_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def device_key(device: torch.device | str) -> str:
+    """Normalized identity of the hardware: "cpu:<model>:<threads>" or "cuda:<name>:<major.minor>"."""
+    dev = _resolve_device(device)
+    if dev.type == "cpu":
+        name, detail = _cpu_model_name(), str(torch.get_num_threads())
+    else:
+        name = torch.cuda.get_device_name(dev)
+        detail = "{}.{}".format(*torch.cuda.get_device_capability(dev))
+    return f"{dev.type}:{' '.join(name.split())}:{detail}"
+
+
+# ----------------------------------------------------------------------------------------------- measuring
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Benchmark sizes for one device type, chosen so the whole measurement takes a few seconds."""
+
+    matmul_start: int  # first square size tried
+    matmul_max: int  # largest square size tried
+    matmul_target_s: float  # a matmul this long is timed reliably: stop growing
+    matmul_budget_s: float  # time box per dtype
+    copy_bytes: int  # per buffer; well beyond the caches
+    transfer_bytes: int
+    min_batch_s: float  # calls are repeated between clock reads until a batch lasts this long
+    repeats: int = 5
+
+
+_PLANS = {
+    "cpu": _Plan(128, 4096, 0.02, 0.6, 256 << 20, 0, 1e-3),
+    # CUDA: about 1.5 GiB of device memory at most (three 8192^2 float32 matrices), as a profile is often
+    # measured at compile time with the model already resident; 256 MiB is well beyond any L2.
+    "cuda": _Plan(1024, 8192, 2e-3, 1.0, 256 << 20, 128 << 20, 2e-3),
+}
+
+
+def _median_seconds(fn: Callable[[], object], sync: Callable[[], None], plan: _Plan) -> float:
+    """Median seconds of one call to `fn`: two warm-up calls, then `plan.repeats` timed batches."""
+    fn()
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    estimate = time.perf_counter() - start
+    inner = max(1, min(10_000, math.ceil(plan.min_batch_s / max(estimate, 1e-9))))
+    times = []
+    for _ in range(plan.repeats):
+        sync()
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        sync()
+        times.append((time.perf_counter() - start) / inner)
+    return statistics.median(times)
+
+
+def _matmul_flops(
+    device: torch.device, dtype: torch.dtype, sync: Callable[[], None], plan: _Plan
+) -> tuple[float, float]:
+    """(FLOP/s, CPU share at the largest size) of square matmuls, sizes growing until one call is long enough.
+
+    The rate is the best over the sizes tried: a larger size only runs faster when undisturbed, so the best
+    is the least disturbed. Growth stops early when the next size would overrun the per-dtype time box.
+    """
+    deadline = time.perf_counter() + plan.matmul_budget_s
+    n, best = plan.matmul_start, 0.0
+    while True:
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        wall, cpu = time.perf_counter(), time.process_time()
+        seconds = _median_seconds(lambda: torch.mm(a, b), sync, plan)
+        share = (time.process_time() - cpu) / ((time.perf_counter() - wall) * torch.get_num_threads())
+        best = max(best, 2 * n**3 / seconds)
+        next_cost = 8 * max(seconds, plan.min_batch_s) * (plan.repeats + 2)
+        if seconds >= plan.matmul_target_s or 2 * n > plan.matmul_max or time.perf_counter() + next_cost > deadline:
+            return best, share
+        n *= 2
+
+
+def _float8_flops(device: torch.device, sync: Callable[[], None], plan: _Plan) -> float | None:
+    """FLOP/s of torch._scaled_mm in float8_e4m3fn on CUDA, or None where it does not run."""
+    try:
+        n = plan.matmul_max
+        a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+        b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm needs
+        one = torch.ones((), device=device, dtype=torch.float32)
+        seconds = _median_seconds(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), sync, plan)
+    except (RuntimeError, TypeError, AttributeError, NotImplementedError) as e:
+        log.info("float8 matmul not measured on %s: %s", device, e)
+        return None
+    return 2 * n**3 / seconds
+
+
+def measure_hardware_profile(device: torch.device | str) -> HardwareProfile:
+    """Measure the device now (a few seconds): matmul FLOP/s per dtype, copy bandwidths, fixed per-op cost."""
+    dev = _resolve_device(device)
+    plan = _PLANS[dev.type]
+    cuda = dev.type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(dev)
+
+    with torch.no_grad(), (torch.cuda.device(dev) if cuda else contextlib.nullcontext()):
+        flops, shares = {}, {}
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            name = str(dtype).removeprefix("torch.")
+            flops[name], shares[name] = _matmul_flops(dev, dtype, sync, plan)
+        if cuda and (rate := _float8_flops(dev, sync, plan)) is not None:
+            flops["float8_e4m3fn"] = rate
+
+        src = torch.ones(plan.copy_bytes // 4, device=dev)
+        dst = torch.empty_like(src)
+        memory_bandwidth = 2 * src.nbytes / _median_seconds(lambda: dst.copy_(src), sync, plan)  # read + write
+        del src, dst
+
+        h2d = d2h = None
+        if cuda:
+            host = torch.ones(plan.transfer_bytes, dtype=torch.uint8, pin_memory=True)
+            on_device = torch.empty(plan.transfer_bytes, dtype=torch.uint8, device=dev)
+            h2d = host.nbytes / _median_seconds(lambda: on_device.copy_(host, non_blocking=True), sync, plan)
+            d2h = host.nbytes / _median_seconds(lambda: host.copy_(on_device, non_blocking=True), sync, plan)
+            del host, on_device
+
+        tiny = torch.ones(1, device=dev)
+        launch = _median_seconds(lambda: torch.add(tiny, tiny), sync, plan)
+
+    return HardwareProfile(
+        device_key=device_key(dev),
+        torch_version=torch.__version__,
+        format_version=FORMAT_VERSION,
+        matmul_flops=flops,
+        memory_bandwidth=memory_bandwidth,
+        host_to_device=h2d,
+        device_to_host=d2h,
+        launch_overhead_s=launch,
+        measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        cpu_share=None if cuda else shares["float32"],
+    )
+
+
+# ----------------------------------------------------------------------------------------------- cache
+
+_MEMO: dict[tuple[str, str], HardwareProfile] = {}
+
+
+def default_cache_dir() -> Path:
+    """`$DPCS_CACHE_DIR/hardware` when the variable is set, else `~/.cache/dpcs/hardware`."""
+    root = os.environ.get(_CACHE_ENV)
+    return (Path(root) if root else Path.home() / ".cache" / "dpcs") / "hardware"
+
+
+def cache_path(key: str, cache_dir: Path) -> Path:
+    """The cache file for one device key under this format and torch version (readable name plus a hash)."""
+    identity = f"{key}|{FORMAT_VERSION}|{torch.__version__}"
+    slug = re.sub(r"[^A-Za-z0-9.]+", "_", f"{key}-f{FORMAT_VERSION}-torch{torch.__version__}").strip("_")
+    return cache_dir / f"{slug[:150]}-{hashlib.sha256(identity.encode()).hexdigest()[:10]}.json"
+
+
+def forget_memoized_profiles() -> None:
+    """Drop the in-process memo, so the next `hardware_profile` call reads the disk cache again."""
+    _MEMO.clear()
+
+
+def _load(path: Path, key: str) -> HardwareProfile | None:
+    """The cached profile at `path` if it is valid and describes this device, format and torch; else None."""
+    try:
+        profile = profile_from_json(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        log.warning("re-measuring: unusable hardware profile cache %s (%s)", path, e)
+        return None
+    found = (profile.device_key, profile.format_version, profile.torch_version)
+    if found != (key, FORMAT_VERSION, torch.__version__):
+        log.warning("re-measuring: hardware profile cache %s describes %s, not %s", path, found,
+                    (key, FORMAT_VERSION, torch.__version__))
+        return None
+    return profile
+
+
+def _store(path: Path, profile: HardwareProfile) -> None:
+    """Write atomically (temporary file, then rename); a cache that cannot be written is only logged."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(profile_to_json(profile))
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    except OSError as e:
+        log.warning("hardware profile not cached at %s: %s", path, e)
+
+
+def hardware_profile(
+    device: torch.device | str, *, cache_dir: str | os.PathLike[str] | None = None, refresh: bool = False
+) -> HardwareProfile:
+    """The device's profile: from the in-process memo, else the disk cache, else measured now and cached.
+
+    refresh=True measures again and overwrites the cache. A profile measured on a busy CPU is memoized only.
+    """
+    key = device_key(device)
+    directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    memo_key = (str(directory.resolve()), key)
+    if not refresh and memo_key in _MEMO:
+        return _MEMO[memo_key]
+    path = cache_path(key, directory)
+    profile = None if refresh else _load(path, key)
+    if profile is None:
+        profile = measure_hardware_profile(device)
+        if profile.device_key != key:
+            raise RuntimeError(f"measured profile is for {profile.device_key!r}, expected {key!r}")
+        if profile.busy:
+            log.warning(
+                "%s was busy while measured (CPU share %.2f): hardware profile used but not cached",
+                key, profile.cpu_share,
+            )
+        else:
+            _store(path, profile)
+    _MEMO[memo_key] = profile
+    return profile

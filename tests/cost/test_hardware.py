@@ -1,0 +1,184 @@
+"""hardware: the measured profile, its JSON form, and the on-disk cache that measures once per device."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import pickle
+
+import pytest
+import torch
+
+from dpcs_compiler.cost import hardware
+from dpcs_compiler.cost.hardware import (
+    FORMAT_VERSION,
+    HardwareProfile,
+    cache_path,
+    device_key,
+    hardware_profile,
+    measure_hardware_profile,
+    profile_from_json,
+    profile_to_json,
+)
+
+
+def fake_profile(**changes) -> HardwareProfile:
+    fields = dict(
+        device_key=device_key("cpu"),
+        torch_version=torch.__version__,
+        format_version=FORMAT_VERSION,
+        matmul_flops={"float32": 1e11, "bfloat16": 2e11, "float16": 5e10},
+        memory_bandwidth=2e10,
+        host_to_device=None,
+        device_to_host=None,
+        launch_overhead_s=1e-6,
+        measured_at="2026-01-01T00:00:00+00:00",
+        cpu_share=0.95,
+    )
+    return HardwareProfile(**{**fields, **changes})
+
+
+@pytest.fixture
+def counted_measure(monkeypatch):
+    """Replaces the measurement with a fake that counts its calls; the memo starts and ends empty."""
+    calls = []
+
+    def measure(device):
+        calls.append(device)
+        return fake_profile(launch_overhead_s=1e-6 * len(calls))  # each measurement distinguishable
+
+    monkeypatch.setattr(hardware, "measure_hardware_profile", measure)
+    hardware.forget_memoized_profiles()
+    yield calls
+    hardware.forget_memoized_profiles()
+
+
+def test_measuring_this_cpu_gives_positive_finite_figures_and_no_host_link():
+    profile = measure_hardware_profile(torch.device("cpu"))
+    assert profile.device_key == f"cpu:{hardware._cpu_model_name()}:{torch.get_num_threads()}"
+    assert (profile.torch_version, profile.format_version) == (torch.__version__, FORMAT_VERSION)
+    assert set(profile.matmul_flops) == {"float32", "bfloat16", "float16"}
+    for rate in (*profile.matmul_flops.values(), profile.memory_bandwidth):
+        assert math.isfinite(rate) and 1e6 < rate < 1e16
+    assert 0 < profile.launch_overhead_s < 1e-3  # a 1-element add on a CPU
+    assert profile.host_to_device is None and profile.device_to_host is None
+    assert 0 < profile.cpu_share  # how busy the machine was is not the test's to decide
+
+
+def test_the_profile_is_measured_once_then_memoized(tmp_path, counted_measure):
+    first = hardware_profile("cpu", cache_dir=tmp_path)
+    cache_path(device_key("cpu"), tmp_path).unlink()  # the memo alone must answer
+    assert hardware_profile(torch.device("cpu"), cache_dir=tmp_path) is first
+    assert len(counted_measure) == 1
+
+
+def test_a_new_process_reloads_the_cached_file_without_measuring(tmp_path, counted_measure):
+    first = hardware_profile("cpu", cache_dir=tmp_path)
+    hardware.forget_memoized_profiles()  # as a fresh process would start
+    assert hardware_profile("cpu", cache_dir=tmp_path) == first
+    assert len(counted_measure) == 1
+
+
+def test_refresh_measures_again_and_overwrites_the_cache(tmp_path, counted_measure):
+    hardware_profile("cpu", cache_dir=tmp_path)
+    refreshed = hardware_profile("cpu", cache_dir=tmp_path, refresh=True)
+    assert len(counted_measure) == 2
+    hardware.forget_memoized_profiles()
+    assert hardware_profile("cpu", cache_dir=tmp_path) == refreshed
+    assert len(counted_measure) == 2
+
+
+@pytest.mark.parametrize(
+    "bad_content",
+    [
+        "{not json",
+        "",
+        json.dumps([1, 2]),
+        profile_to_json(fake_profile(device_key="cpu:Some Other CPU:64")),
+        profile_to_json(fake_profile(format_version=FORMAT_VERSION + 1)),
+        profile_to_json(fake_profile(torch_version="0.0.1")),
+        profile_to_json(fake_profile()).replace("1e-06", "-1.0"),  # negative overhead
+        profile_to_json(fake_profile()).replace('"float32"', '"float64"'),  # no float32 figure
+    ],
+    ids=["truncated", "empty", "not-an-object", "other-device", "other-format", "other-torch", "negative", "no-fp32"],
+)
+def test_a_corrupt_or_mismatched_cache_file_is_measured_again_and_overwritten(tmp_path, counted_measure, bad_content):
+    path = cache_path(device_key("cpu"), tmp_path)
+    path.write_text(bad_content)
+    profile = hardware_profile("cpu", cache_dir=tmp_path)
+    assert len(counted_measure) == 1
+    assert profile_from_json(path.read_text()) == profile
+
+
+def test_a_profile_measured_on_a_busy_cpu_is_used_but_not_cached(tmp_path, monkeypatch):
+    calls = []
+
+    def measure(device):
+        calls.append(device)
+        return fake_profile(cpu_share=0.2)
+
+    monkeypatch.setattr(hardware, "measure_hardware_profile", measure)
+    hardware.forget_memoized_profiles()
+    busy = hardware_profile("cpu", cache_dir=tmp_path)
+    assert busy.busy and hardware_profile("cpu", cache_dir=tmp_path) is busy
+    assert list(tmp_path.iterdir()) == []
+    hardware.forget_memoized_profiles()  # a later process measures again
+    hardware_profile("cpu", cache_dir=tmp_path)
+    assert len(calls) == 2
+    hardware.forget_memoized_profiles()
+
+
+def test_the_default_cache_dir_follows_dpcs_cache_dir(tmp_path, monkeypatch, counted_measure):
+    monkeypatch.setenv("DPCS_CACHE_DIR", str(tmp_path))
+    hardware_profile("cpu")
+    assert [p.parent for p in tmp_path.rglob("*.json")] == [tmp_path / "hardware"]
+
+
+def test_json_round_trips_a_cuda_like_profile():
+    profile = fake_profile(device_key="cuda:NVIDIA H100 80GB HBM3:9.0", host_to_device=2.5e10, device_to_host=2.4e10,
+                           matmul_flops={"float32": 5e13, "bfloat16": 7e14, "float8_e4m3fn": 1.4e15}, cpu_share=None)
+    assert profile_from_json(profile_to_json(profile)) == profile
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[]",
+        json.dumps({k: v for k, v in json.loads(profile_to_json(fake_profile())).items() if k != "measured_at"}),
+        json.dumps({**json.loads(profile_to_json(fake_profile())), "extra": 1}),
+        json.dumps({**json.loads(profile_to_json(fake_profile())), "memory_bandwidth": "fast"}),
+        json.dumps({**json.loads(profile_to_json(fake_profile())), "format_version": "1"}),
+    ],
+    ids=["list", "missing-field", "extra-field", "string-rate", "string-version"],
+)
+def test_from_json_rejects_anything_but_a_complete_valid_profile(text):
+    with pytest.raises(ValueError, match="hardware profile"):
+        profile_from_json(text)
+
+
+def test_the_profile_is_immutable():
+    profile = fake_profile()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        profile.memory_bandwidth = 1.0
+    with pytest.raises(TypeError):
+        profile.matmul_flops["float32"] = 1.0
+
+
+def test_the_profile_survives_pickle_and_deepcopy():
+    profile = fake_profile()
+    assert pickle.loads(pickle.dumps(profile)) == profile
+    assert copy.deepcopy(profile) == profile
+
+
+@pytest.mark.parametrize("device", ["not-a-device", "meta", 3.5])
+def test_a_bad_device_is_a_value_error_naming_it(tmp_path, device):
+    with pytest.raises(ValueError, match=repr(device).replace(".", r"\.")):
+        hardware_profile(device, cache_dir=tmp_path)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a process without CUDA")
+def test_cuda_without_cuda_is_a_value_error(tmp_path):
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        hardware_profile("cuda:0", cache_dir=tmp_path)
