@@ -20,7 +20,7 @@ from torch._dynamo.exc import RestartAnalysis, ShortenTraceback, SkipFrame
 
 from dpcs_compiler.debug.dump import write_summary
 from dpcs_compiler.options import DpcsOptions
-from dpcs_compiler.pipeline import compile_graph
+from dpcs_compiler.pipeline import BudgetInfeasibleError, compile_graph
 from dpcs_compiler.report import compile_records, records_since
 
 log = logging.getLogger("dpcs.backend")
@@ -45,8 +45,8 @@ def dpcs_backend(
         # Inductor takes ownership of the graph it compiles and mutates it: dpcs gets a copy, so the
         # fallback compiles the graph exactly as Dynamo made it.
         return compile_graph(fx.GraphModule(gm, copy.deepcopy(gm.graph)), example_inputs, opts)
-    except (RestartAnalysis, SkipFrame, ShortenTraceback):
-        raise  # Dynamo's own control flow, not a failure
+    except (RestartAnalysis, SkipFrame, ShortenTraceback, BudgetInfeasibleError):
+        raise  # Dynamo's own control flow, or an answer for the user (no plan fits the budget): not a failure
     except Exception as error:
         if opts.strict:
             raise
@@ -57,7 +57,8 @@ def dpcs_backend(
             write_summary(record)
         warnings.warn(
             f"dpcs failed to compile a graph and falls back to plain Inductor for it: "
-            f"{type(error).__name__}: {error} (dump folder: {dump}; pass options={{'strict': True}} to raise)",
+            f"{type(error).__name__}: {error} (dump folder: {dump}; pass options={{'strict': True}} to raise)"
+            + ("; its memory_budget is NOT applied" if opts.memory_budget is not None else ""),
             DpcsFallbackWarning,
             stacklevel=2,
         )

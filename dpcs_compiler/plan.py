@@ -1,11 +1,12 @@
 """The Plan: every decision dpcs made for one graph, serialisable to JSON, with a stable hash.
 
-Rewrites read their decisions from the plan only. Today the partition is torch's min-cut, so the plan
-records its outcome (which forward values are saved for backward); the memory planner will write
-SAVE / RECOMPUTE / OFFLOAD decisions here. `compile_key` hashes the inputs the plan is derived from
-(options, partitioner, dpcs's own source) and is the partitioner's uuid in Inductor's cache keys; the
-caches are off for dpcs graphs today, and a planner whose decisions depend on more (a hardware profile,
-a budget) must add that to the key.
+Rewrites read their decisions from the plan only. Without a memory budget the partition is torch's
+min-cut and the plan records its outcome (which forward values are saved for backward); with one, the
+memory planner writes a SAVE / RECOMPUTE / OFFLOAD decision for every candidate, the budget in bytes and
+the hardware profile it was costed with. `compile_key` hashes the inputs the plan is derived from
+(options, including the budget; partitioner; dpcs's own source) and is the partitioner's uuid in
+Inductor's cache keys, so a graph compiled for one budget is never handed back for another; `plan_hash`
+also covers the decisions themselves.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ class ValueDecision:
     name: str
     nbytes: int
     decision: str = SAVE
+    reload_before: str | None = None  # OFFLOAD: the backward node before which the reload starts
+    release_after: str | None = None  # OFFLOAD: the forward node after which its device memory is freed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,16 +40,37 @@ class Plan:
     options_fingerprint: str
     partitioner: str = "min_cut"
     values: tuple[ValueDecision, ...] = ()
+    budget_bytes: int | None = None
+    hardware: str | None = None  # the hardware profile's device key the plan was costed with
+    predicted_peak_bytes: int | None = None
+    feasible: bool | None = None
+    peak_node: str | None = None  # where the plan's predicted peak is
 
     def with_values(self, values: tuple[ValueDecision, ...]) -> Plan:
         return dataclasses.replace(self, values=values)
 
+    def decided(self, decision: str) -> tuple[ValueDecision, ...]:
+        return tuple(v for v in self.values if v.decision == decision)
+
+    def plan_hash(self) -> str:
+        """Hash of the whole plan, decisions included (two plans with one hash compile the same graphs)."""
+        fields = {k: v for k, v in self._fields().items() if k != "graph"}
+        payload = json.dumps([self.compile_key(), fields], sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
     def to_json(self) -> dict[str, Any]:
+        return {"hash": self.compile_key(), "plan_hash": self.plan_hash(), **self._fields()}
+
+    def _fields(self) -> dict[str, Any]:
         return {
             "graph": self.graph,
             "options_fingerprint": self.options_fingerprint,
             "partitioner": self.partitioner,
-            "hash": self.compile_key(),
+            "budget_bytes": self.budget_bytes,
+            "hardware": self.hardware,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "feasible": self.feasible,
+            "peak_node": self.peak_node,
             "values": [dataclasses.asdict(v) for v in self.values],
         }
 

@@ -27,6 +27,14 @@ class CompileRecord:
     pass_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     dump_dir: str | None = None
     fallback: str | None = None  # the error that made this graph fall back to plain Inductor
+    # The memory plan (set only when a memory_budget is given):
+    budget_bytes: int | None = None
+    plan_feasible: bool | None = None  # the plan's predicted peak is within the budget
+    solver: str | None = None
+    recomputed_values: int = 0
+    offloaded_values: int = 0
+    plan_added_seconds: float | None = None  # estimated recompute and exposed copy time per step
+    partition_peak_bytes: int | None = None  # the same plan simulated on the partitioned graphs (a check)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

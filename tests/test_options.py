@@ -56,3 +56,42 @@ def test_fingerprint_ignores_dump_dir_but_not_compiler(tmp_path):
     base = DpcsOptions(compiler="eager")
     assert base.fingerprint() == DpcsOptions(compiler="eager", dump_dir=tmp_path).fingerprint()
     assert base.fingerprint() != DpcsOptions(compiler="inductor").fingerprint()
+
+
+@pytest.mark.parametrize(
+    "value, parsed",
+    [
+        (None, None),
+        (1000, 1000),
+        ("6GiB", 6 * 2**30),
+        ("800MB", 800 * 10**6),
+        ("1.5 GiB", int(1.5 * 2**30)),
+        ("4096", 4096),
+        (0.5, 0.5),
+        (1.0, 1.0),
+        ("auto", "auto"),
+    ],
+)
+def test_memory_budget_forms(value, parsed):
+    assert DpcsOptions.from_dict({"memory_budget": value}).memory_budget == parsed
+
+
+@pytest.mark.parametrize("value", [0, -5, 1.5, 0.0, True, "6 parsecs", "0MB", [1]])
+def test_bad_memory_budget_names_value_and_forms(value):
+    with pytest.raises(ValueError, match=r"'memory_budget'=.* is not valid; valid choices: None .* 'auto'"):
+        DpcsOptions.from_dict({"memory_budget": value})
+
+
+def test_on_infeasible_choices():
+    assert DpcsOptions.from_dict({"on_infeasible": "best"}).on_infeasible == "best"
+    with pytest.raises(ValueError, match="'on_infeasible'='ignore' is not valid; valid choices: 'error', 'best'"):
+        DpcsOptions.from_dict({"on_infeasible": "ignore"})
+
+
+def test_a_new_budget_changes_the_compile_key():
+    from dpcs_compiler.plan import Plan
+
+    keys = {
+        Plan("g", DpcsOptions.from_dict({"memory_budget": b}).fingerprint()).compile_key() for b in (None, 10**9, 10**8)
+    }
+    assert len(keys) == 3

@@ -115,6 +115,8 @@ def summary_table(summaries: Sequence[dict[str, Any]], root: Path | None = None)
         table.add_column(f"{header}\nnodes", justify="right")
     table.add_column("saved", justify="right", no_wrap=True)
     table.add_column("predicted peak", justify="right", no_wrap=True)
+    table.add_column("budget", justify="right", no_wrap=True)
+    table.add_column("plan", no_wrap=True)
     table.add_column("peak node")
     table.add_column("pass time", justify="right", no_wrap=True)
     table.add_column("fallback")
@@ -127,11 +129,21 @@ def summary_table(summaries: Sequence[dict[str, Any]], root: Path | None = None)
             *(_count(summary.get(f"{part}_nodes"), summary, part) for part in NODE_COUNTS),
             format_bytes(summary.get("saved_bytes")),
             format_bytes(summary.get("predicted_peak_bytes")),
+            format_bytes(summary.get("budget_bytes")),
+            _plan_cell(summary),
             str(summary.get("peak_node") or "-"),
             f"{total_pass_seconds(summary):.3f} s",
             _fallback_cell(summary),
         )
     return table
+
+
+def _plan_cell(summary: dict[str, Any]) -> str:
+    """"fits" / "over budget" and the counts of recomputed and offloaded values, for budgeted graphs."""
+    if summary.get("budget_bytes") is None:
+        return "-"
+    verdict = "fits" if summary.get("plan_feasible") else "over budget"
+    return f"{verdict}: {summary.get('recomputed_values', 0)} recomputed, {summary.get('offloaded_values', 0)} offloaded"
 
 
 def pass_table(summaries: Sequence[dict[str, Any]]) -> Table:

@@ -65,7 +65,7 @@ TINY_MLP = textwrap.dedent(
 )
 
 COLUMNS = ["graph", "dynamo id", "mode", "compiler", "dynamo", "joint", "forward", "backward", "saved", "peak",
-           "peak node", "pass time", "fallback"]
+           "budget", "plan", "peak node", "pass time", "fallback"]
 
 # Each kind of file a training graph's folder must hold, as a glob.
 EXPECTED_FILES = [

@@ -88,10 +88,10 @@ def test_summary_table_has_one_row_per_graph(dumps):
             if line.startswith("│")}
     assert set(rows) == {"graph_000", "graph_001", "graph_002", "run2/graph_000"}
     assert rows["graph_000"] == [
-        "0/0", "training", "eager", "9", "31", "11", "25", "1.00 KiB", "6.91 KiB", "sum_2", "0.750 s", "no",
+        "0/0", "training", "eager", "9", "31", "11", "25", "1.00 KiB", "6.91 KiB", "-", "-", "sum_2", "0.750 s", "no",
     ]
     assert rows["run2/graph_000"][:7] == ["1/0 (attempt 1)", "inference", "eager", "4", "-", "5", "-"]
-    assert rows["run2/graph_000"][8:10] == ["3.00 MiB", "addmm"]
+    assert rows["run2/graph_000"][8:12] == ["3.00 MiB", "-", "-", "addmm"]
     assert rows["graph_001"][0] == "-"
     assert rows["graph_001"][-1] == "yes"
     assert rows["graph_002"][-1] == "incomplete"
@@ -106,3 +106,15 @@ def test_pass_table_and_problems(dumps):
         "graph_001: RuntimeError: boom",
         "graph_002: no summary.json (the compile stopped before the plan)",
     ]
+
+
+def test_plan_cell_of_a_budgeted_graph():
+    from dpcs_compiler.debug.summary import _plan_cell
+
+    assert _plan_cell({}) == "-"
+    assert _plan_cell({"budget_bytes": 10, "plan_feasible": True, "recomputed_values": 3}) == (
+        "fits: 3 recomputed, 0 offloaded"
+    )
+    assert _plan_cell({"budget_bytes": 10, "plan_feasible": False, "recomputed_values": 5, "offloaded_values": 1}) == (
+        "over budget: 5 recomputed, 1 offloaded"
+    )

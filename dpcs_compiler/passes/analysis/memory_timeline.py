@@ -90,29 +90,54 @@ def buffer_categories(live: Liveness) -> dict[Buffer, str]:
 
 def memory_timeline(schedule: Schedule, analyses: Any | None = None) -> MemoryTimeline:
     """The analysis: simulate the schedule's live bytes node by node."""
-    live = require(analyses, liveness, schedule)
+    return simulate(require(analyses, liveness, schedule))
+
+
+def simulate(live: Liveness, exclude: frozenset[Buffer] = frozenset()) -> MemoryTimeline:
+    """Walk the schedule counting every buffer's bytes while it is alive, leaving out `exclude`.
+
+    The memory planner excludes the buffers whose lifetimes a plan decides and adds them back per plan
+    (`cost.memory_model`); in-place reuses still apply. An excluded buffer written over a dying counted
+    one frees that one when it is made. A counted buffer written over a dying excluded one (a saved value
+    at its last backward use, under every plan) is not counted at that step: the plan counts the bytes.
+    """
     categories = buffer_categories(live)
     born_at: dict[int, list[Buffer]] = defaultdict(list)
     freed_after: dict[int, list[Buffer]] = defaultdict(list)
     for buffer, interval in live.buffers.items():
+        if buffer in exclude:
+            continue
         born_at[interval.start].append(buffer)
         freed_after[interval.end].append(buffer)
     size = {b: live.hint(b) for b in live.buffers}
+    reuses = {new: old for new, old in live.reuses.items() if not (new in exclude and old in exclude)}
 
     alive: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
     for buffer in born_at[BEFORE_STEP]:
         alive[categories[buffer]] += size[buffer]
     resident = sum(alive.values())
 
-    reused = set(live.reuses.values())  # taken over in place: freed the moment their successor is made
+    reused = set(reuses.values())  # taken over in place: freed the moment their successor is made
     steps = []
+    reused_by_excluded = defaultdict(list)
+    for new, old in reuses.items():
+        if new in exclude:
+            reused_by_excluded[live.buffers[new].start].append(old)
     for i, node in enumerate(live.schedule.nodes):
+        for old in reused_by_excluded[i]:
+            alive[categories[old]] -= size[old]
+        taken_over = []
         for buffer in born_at[i]:
             alive[categories[buffer]] += size[buffer]
-            if buffer in live.reuses:
-                old = live.reuses[buffer]
-                alive[categories[old]] -= size[old]
+            if buffer in reuses:
+                old = reuses[buffer]
+                if old in exclude:
+                    taken_over.append(buffer)
+                else:
+                    alive[categories[old]] -= size[old]
         during = dict(alive)
+        for buffer in taken_over:
+            during[categories[buffer]] -= size[buffer]
         for buffer in freed_after[i]:
             if buffer not in reused:
                 alive[categories[buffer]] -= size[buffer]

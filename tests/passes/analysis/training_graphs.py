@@ -37,3 +37,16 @@ def trace_training(fn: Callable, *inputs: torch.Tensor, partition: Callable = de
 
     aot_function(fn, fw_compiler=keep, bw_compiler=keep, partition_fn=capture)(*inputs)
     return TrainingGraphs(**captured)
+
+
+def trace_module_training(
+    model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Callable, *, partition: Callable = default_partition
+) -> TrainingGraphs:
+    """`trace_training` of a module's step `loss_fn(model(*inputs))`, parameters first as primals."""
+    names = [n for n, _ in model.named_parameters()]
+
+    def step(*args: torch.Tensor) -> torch.Tensor:
+        params = dict(zip(names, args[: len(names)]))
+        return loss_fn(torch.func.functional_call(model, params, args[len(names) :]))
+
+    return trace_training(step, *[p for _, p in model.named_parameters()], *inputs, partition=partition)

@@ -1,0 +1,59 @@
+"""Turn the memory_budget option into bytes for the device a graph runs on.
+
+A fraction is of the device's total memory; "auto" is what the step may use without running out: the
+device's free memory now, plus the bytes the step's inputs already hold (they are part of its peak and
+already allocated), less a margin for the allocator's fragmentation and for what runs outside the graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+AUTO_MARGIN_FRACTION = 0.05  # of total device memory, kept free under "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceMemory:
+    total_bytes: int
+    free_bytes: int
+
+
+def device_memory(device: torch.device) -> DeviceMemory:
+    """Total and currently free memory of a device (host RAM for the CPU)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        # Memory the caching allocator holds but no tensor uses is free for this step too.
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return DeviceMemory(total_bytes=int(total), free_bytes=int(free + cached))
+    if device.type == "cpu":
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return DeviceMemory(total_bytes=int(total), free_bytes=_available_host_bytes(total))
+    raise ValueError(f"memory_budget: device {device} is not supported; valid choices: cpu, cuda")
+
+
+def _available_host_bytes(total: int) -> int:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") if hasattr(os, "sysconf") else total
+
+
+def resolve_budget(spec: int | float | str, device: torch.device, resident_bytes: int) -> int:
+    """Bytes the step's peak may reach, from a parsed memory_budget option (see options.parse_memory_budget)."""
+    if isinstance(spec, bool):
+        raise ValueError(f"memory_budget {spec!r} is not valid")
+    if isinstance(spec, int):
+        return spec
+    memory = device_memory(device)
+    if isinstance(spec, float):
+        return int(spec * memory.total_bytes)
+    if spec == "auto":
+        return max(0, memory.free_bytes + resident_bytes - int(AUTO_MARGIN_FRACTION * memory.total_bytes))
+    raise ValueError(f"memory_budget {spec!r} is not valid; valid choices: bytes, a fraction in (0, 1], 'auto'")

@@ -1,0 +1,274 @@
+"""What a memory plan can decide in a joint graph: the candidates, and the memory that stays as it is.
+
+A candidate is a forward buffer the backward reads (a saved activation). For each one this analysis finds
+when it is made, last read in forward, first and last read in backward, and how it would be made again in
+backward: the forward nodes to re-run (its producer and the intermediates only it needs, up to resident
+inputs and other candidates) and the candidates that must be in memory for that. Everything else the step
+allocates is simulated once, with the foundation's timeline simulator, as the plan-independent base.
+
+The schedule is the joint graph in the order the partitioned graphs will run, as the final compiler runs
+it; a forward value the backward reads is a forward output after partitioning, so it is never fused away.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.fx as fx
+
+from dpcs_compiler.cost.memory_model import Candidate, MemoryProblem
+from dpcs_compiler.passes.analysis.base import require
+from dpcs_compiler.passes.analysis.fusion import _readers, inductor_fusion
+from dpcs_compiler.passes.analysis.liveness import Liveness, liveness
+from dpcs_compiler.passes.analysis.memory_timeline import buffer_categories, simulate
+from dpcs_compiler.passes.analysis.schedule import BACKWARD, FORWARD, Schedule
+from dpcs_compiler.passes.analysis.tensor_bytes import Buffer
+
+# Bytes the runtime allocates around a compiled step that no graph shows: scalar tensors made by the
+# autograd engine and AOTAutograd's wrappers (measured on CPU: 16 B alive at the peak of a 2-layer GPT).
+# The planner counts them at every step so a plan within the budget is within it when measured.
+RUNTIME_ALLOWANCE_BYTES = 256
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CandidateNodes:
+    """A candidate buffer and the graph nodes behind it."""
+
+    buffer: Buffer
+    holder: fx.Node  # the node whose value is exactly this buffer: what the forward saves
+    nbytes: int
+    produced: int
+    last_forward_use: int
+    first_backward_use: int
+    last_use: int
+    recompute_nodes: tuple[fx.Node, ...]  # forward nodes re-run in backward to make it again, in graph order
+    recompute_inputs: tuple[int, ...]  # candidates (indices) that must be in memory to re-run them
+    transient: int  # bytes the re-run allocates besides the buffer itself
+    random: bool  # re-running would draw new random numbers
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PlanningGraph:
+    schedule: Schedule
+    live: Liveness
+    base_bytes: np.ndarray  # bytes alive during each schedule step, candidates left out
+    base_before_bytes: np.ndarray  # bytes alive just before each step runs, candidates left out
+    resident_bytes: int  # bytes alive before the step (parameters and inputs)
+    candidates: tuple[CandidateNodes, ...]
+
+    @property
+    def backward_start(self) -> int:
+        first = self.schedule.first_backward_index
+        return len(self.schedule.nodes) if first is None else first
+
+    def memory_problem(
+        self,
+        node_seconds: Callable[[fx.Node], float],
+        transfer_seconds: Callable[[int], float] | None = None,
+    ) -> MemoryProblem:
+        """The pure problem the solvers take: step times from `node_seconds`; offload allowed (and costed)
+        only when `transfer_seconds` is given (a device with a host link)."""
+        step_seconds = np.array([node_seconds(n) for n in self.schedule.nodes], dtype=np.float64)
+        candidates = []
+        for c in self.candidates:
+            candidates.append(
+                Candidate(
+                    name=c.holder.name,
+                    nbytes=c.nbytes,
+                    produced=c.produced,
+                    last_forward_use=c.last_forward_use,
+                    first_backward_use=c.first_backward_use,
+                    last_use=c.last_use,
+                    recompute_seconds=float(sum(node_seconds(n) for n in c.recompute_nodes)),
+                    recompute_transient=c.transient,
+                    recompute_inputs=c.recompute_inputs,
+                    transfer_seconds=transfer_seconds(c.nbytes) if transfer_seconds is not None else 0.0,
+                    can_recompute=not c.random,
+                    can_offload=transfer_seconds is not None,
+                )
+            )
+        return MemoryProblem(
+            base_bytes=self.base_bytes,
+            base_before_bytes=self.base_before_bytes,
+            step_seconds=step_seconds,
+            backward_start=self.backward_start,
+            candidates=tuple(candidates),
+        )
+
+
+def planning_schedule(
+    joint: fx.GraphModule,
+    *,
+    num_fwd_outputs: int,
+    parameter_indices: Sequence[int],
+    compiler: str,
+    analyses: Any | None = None,
+) -> Schedule:
+    """The joint schedule as the final compiler will run the planned partition."""
+    schedule = Schedule.of_joint(joint, num_fwd_outputs=num_fwd_outputs, parameter_indices=parameter_indices)
+    schedule = _phases_by_placement(schedule)
+    if compiler != "inductor":
+        return schedule
+    fused = require(analyses, inductor_fusion, joint)
+    crossing = {
+        n for n in fused if schedule.phase[n] == FORWARD and any(schedule.phase[r] == BACKWARD for r in _readers(n))
+    }
+    return schedule.as_inductor(frozenset(fused - crossing))
+
+
+def _phases_by_placement(schedule: Schedule) -> Schedule:
+    """Every node from the first backward node on runs in the backward graph.
+
+    `Schedule.of_joint` calls a node backward when it depends on a tangent; the partition keeps the joint
+    graph's placement instead (a node backward recomputes from forward values, such as the softmax of a
+    cross-entropy backward, stays there), and the plan must describe the partition.
+    """
+    start = schedule.first_backward_index
+    if start is None:
+        return schedule
+    phase = dict(schedule.phase)
+    phase.update({n: BACKWARD for n in schedule.nodes[start:]})
+    saved = frozenset(
+        n for n in schedule.saved if phase[n] == FORWARD and any(phase.get(u) == BACKWARD for u in n.users)
+    )
+    return dataclasses.replace(schedule, phase=phase, saved=saved)
+
+
+def is_random(node: fx.Node) -> bool:
+    """True if running the node twice can give different values (an attention op without dropout cannot)."""
+    if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return False
+    schema = getattr(node.target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    if "dropout_p" in names:
+        index = names.index("dropout_p")
+        dropout = node.kwargs.get("dropout_p", node.args[index] if index < len(node.args) else 0.0)
+        return dropout != 0.0
+    return True
+
+
+def _closure_peak(nodes: Sequence[fx.Node], buffer: Buffer, live: Liveness) -> int:
+    """The most bytes a re-run of `nodes` (in order) holds at once besides `buffer`: each intermediate lives
+    from its node to the last node of the re-run that reads it."""
+    position = {n: i for i, n in enumerate(nodes)}
+    last_read: dict[Buffer, int] = {}
+    for i, node in enumerate(nodes):
+        for arg in node.all_input_nodes:
+            for b in live.references.get(arg, ()):
+                last_read[b] = i
+    delta = [0] * (len(nodes) + 1)
+    for i, node in enumerate(nodes):
+        for b in live.allocations.get(node, ()):
+            if b != buffer and b in live.buffers:
+                delta[i] += live.hint(b)
+                delta[max(i, last_read.get(b, i)) + 1] -= live.hint(b)
+    peak = alive = 0
+    for change in delta[:-1]:
+        alive += change
+        peak = max(peak, alive)
+    return peak
+
+
+def planning_graph(schedule: Schedule, analyses: Any | None = None) -> PlanningGraph:
+    """The analysis: candidates and base memory of a joint schedule."""
+    live = require(analyses, liveness, schedule)
+    categories = buffer_categories(live)
+    position = {n: i for i, n in enumerate(schedule.nodes)}
+    backward_start = schedule.first_backward_index
+    if backward_start is None:
+        raise ValueError("planning needs a joint graph with a backward")
+    resident = set(schedule.resident)
+
+    referrers: dict[Buffer, list[fx.Node]] = {}
+    for node, buffers in live.references.items():
+        for b in buffers:
+            referrers.setdefault(b, []).append(node)
+
+    def holder_of(b: Buffer) -> fx.Node | None:
+        if b.index is None:
+            return b.producer
+        for user in b.producer.users:
+            if user.op == "call_function" and user.args[1:] == (b.index,):
+                return user
+        return None
+
+    chosen: list[tuple[Buffer, fx.Node, int, int, int]] = []
+    for b, interval in sorted(live.buffers.items(), key=lambda kv: (kv[1].start, kv[0].producer.name)):
+        if categories[b] != "saved" or b.producer in resident or schedule.phase[b.producer] != FORWARD:
+            continue
+        holder = holder_of(b)
+        if holder is None or interval.end >= len(schedule.nodes):
+            continue
+        uses = [position[u] for v in referrers.get(b, ()) for u in v.users if u in position]
+        forward_uses = [p for p in uses if p < backward_start]
+        backward_uses = [p for p in uses if p >= backward_start]
+        if not backward_uses:
+            continue
+        chosen.append((b, holder, max(forward_uses, default=interval.start), min(backward_uses), interval.end))
+
+    index_of_holder = {holder: i for i, (_, holder, *_rest) in enumerate(chosen)}
+    candidates = []
+    for b, holder, last_forward_use, first_backward_use, last_use in chosen:
+        nodes, inputs, transient, random = _recompute_closure(b, holder, live, schedule, index_of_holder)
+        candidates.append(
+            CandidateNodes(
+                buffer=b,
+                holder=holder,
+                nbytes=live.hint(b),
+                produced=live.buffers[b].start,
+                last_forward_use=max(last_forward_use, live.buffers[b].start),
+                first_backward_use=first_backward_use,
+                last_use=last_use,
+                recompute_nodes=nodes,
+                recompute_inputs=inputs,
+                transient=transient,
+                random=random,
+            )
+        )
+    base = simulate(live, exclude=frozenset(c.buffer for c in candidates))
+    return PlanningGraph(
+        schedule=schedule,
+        live=live,
+        base_bytes=np.array([s.during for s in base.steps], dtype=np.int64) + RUNTIME_ALLOWANCE_BYTES,
+        base_before_bytes=np.array([base.resident_bytes] + [s.after for s in base.steps[:-1]], dtype=np.int64)
+        + RUNTIME_ALLOWANCE_BYTES,
+        resident_bytes=base.resident_bytes,
+        candidates=tuple(candidates),
+    )
+
+
+def _recompute_closure(
+    buffer: Buffer,
+    holder: fx.Node,
+    live: Liveness,
+    schedule: Schedule,
+    index_of_holder: dict[fx.Node, int],
+) -> tuple[tuple[fx.Node, ...], tuple[int, ...], int, bool]:
+    """Nodes to re-run to make `buffer` again, the candidates they read, their other bytes, randomness."""
+    resident = set(schedule.resident)
+    seen: set[fx.Node] = set()
+    nodes: list[fx.Node] = []
+    inputs: set[int] = set()
+    stack = [buffer.producer] + ([holder] if holder is not buffer.producer else [])
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        nodes.append(node)
+        for arg in node.all_input_nodes:
+            if arg in resident or arg in seen:
+                continue
+            if arg in index_of_holder and arg is not holder:
+                inputs.add(index_of_holder[arg])
+                continue
+            stack.append(arg)
+    order = {n: i for i, n in enumerate(schedule.nodes)}
+    ordered = tuple(sorted(nodes, key=lambda n: order.get(n, -1)))
+    transient = _closure_peak(ordered, buffer, live)
+    own = index_of_holder.get(holder)
+    return ordered, tuple(sorted(i for i in inputs if i != own)), transient, any(is_random(n) for n in nodes)

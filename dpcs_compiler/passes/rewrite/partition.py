@@ -1,0 +1,90 @@
+"""Partition a joint graph as a memory plan says: save, recompute or offload each candidate.
+
+The plan's decisions become torch's own checkpoint tags on the joint graph (`meta["recompute"]`):
+MUST_RECOMPUTE on every forward node a recomputed candidate needs re-run (and on the views of it the
+backward reads), MUST_SAVE on the values of saved and offloaded candidates. torch's `default_partition`
+then splits the graph by those tags and reorders the backward the way autograd runs it, so each recomputed
+value is made just before its first use (`reordering_to_mimic_autograd_engine`) - the schedule the memory
+model assumes. Offloaded values then get their copy and reload ops (`passes.rewrite.offload`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import unittest.mock
+from collections.abc import Sequence
+from typing import Any
+
+import torch.fx as fx
+from torch._functorch import partitioners
+from torch._functorch.partitioners import default_partition
+from torch.utils.checkpoint import CheckpointPolicy
+
+from dpcs_compiler.cost.memory_model import OFFLOAD, RECOMPUTE, SAVE
+from dpcs_compiler.passes.analysis.planning import PlanningGraph, is_random
+from dpcs_compiler.passes.analysis.schedule import FORWARD
+
+PASS_NAME = "plan_partition"
+
+
+def tag_joint(planning: PlanningGraph, decisions: Sequence[str]) -> None:
+    """Write the decisions onto the joint graph's nodes as checkpoint tags (the joint graph is the plan's)."""
+    if len(decisions) != len(planning.candidates):
+        raise ValueError(f"{len(decisions)} decisions for {len(planning.candidates)} candidates")
+    schedule, live = planning.schedule, planning.live
+    recomputed_buffers = set()
+    recompute: set[fx.Node] = set()
+    save: set[fx.Node] = set()
+    for candidate, decision in zip(planning.candidates, decisions):
+        if decision == RECOMPUTE:
+            recompute.update(candidate.recompute_nodes)
+            recomputed_buffers.add(candidate.buffer)
+        elif decision in (SAVE, OFFLOAD):
+            save.add(candidate.holder)
+        else:
+            raise ValueError(f"decision {decision!r} for {candidate.holder.name!r} is not valid")
+    resident = set(schedule.resident)
+    for node in schedule.nodes:
+        if schedule.phase[node] != FORWARD or node in resident:
+            continue
+        if node in recompute or any(b in recomputed_buffers for b in live.references.get(node, ())):
+            recompute.add(node)
+    random = sorted(n.name for n in recompute if is_random(n))
+    if random:
+        raise ValueError(f"plan recomputes random values {random}: they would not reproduce")
+    clash = recompute & save
+    if clash:
+        raise ValueError(f"plan both saves and recomputes {sorted(n.name for n in clash)}")
+    for node in schedule.nodes:
+        node.meta.pop("recompute", None)
+    for node in recompute:
+        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+        node.meta["dpcs"] = {"pass": PASS_NAME, "decision": RECOMPUTE}
+    for node in save:
+        node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+        node.meta["dpcs"] = {"pass": PASS_NAME, "decision": SAVE}
+
+
+def partition_by_plan(
+    joint: fx.GraphModule,
+    joint_inputs: Sequence[object],
+    planning: PlanningGraph,
+    decisions: Sequence[str],
+    **kwargs: Any,
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Split `joint` (the graph `planning` was computed on) into forward and backward per `decisions`."""
+    tag_joint(planning, decisions)
+    accepted = inspect.signature(default_partition).parameters
+    # torch counts every nondeterministic-seeded op as random, attention without dropout too, and threads
+    # RNG states through both graphs when one is recomputed; the plan never recomputes a truly random op
+    # (checked above), so the values reproduce without that plumbing.
+    with unittest.mock.patch.object(partitioners, "has_recomputable_rng_ops", lambda gm: False):
+        forward, backward = default_partition(joint, joint_inputs, **{k: v for k, v in kwargs.items() if k in accepted})
+    return forward, backward
+
+
+def saved_names(forward: fx.GraphModule, num_user_outputs: int) -> list[str]:
+    """Names of the forward values handed to backward (the forward's outputs after the user outputs)."""
+    output = next(n for n in reversed(forward.graph.nodes) if n.op == "output")
+    values = output.args[0]
+    return [v.name for v in values[num_user_outputs:] if isinstance(v, fx.Node)]

@@ -1,0 +1,78 @@
+"""The plan memory model on hand-made problems: exact byte curves for each decision."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dpcs_compiler.cost.memory_model import (
+    OFFLOAD,
+    RECOMPUTE,
+    SAVE,
+    Candidate,
+    MemoryProblem,
+    materialize_steps,
+    plan_memory,
+    plan_seconds,
+)
+
+
+def problem() -> MemoryProblem:
+    # 10 steps of 1 s, backward from step 5; "a" feeds the recomputation of "b".
+    return MemoryProblem(
+        base_bytes=np.full(10, 100),
+        step_seconds=np.ones(10),
+        backward_start=5,
+        candidates=(
+            Candidate("a", 50, 0, 1, 8, 9, recompute_seconds=1.0, recompute_transient=7),
+            Candidate(
+                "b", 30, 1, 2, 6, 7, recompute_seconds=2.0, recompute_inputs=(0,), transfer_seconds=1.5, can_offload=True
+            ),
+        ),
+    )
+
+
+@pytest.mark.parametrize(
+    "decisions, curve, seconds",
+    [
+        ((SAVE, SAVE), [150, 180, 180, 180, 180, 180, 180, 180, 150, 150], 0.0),
+        # a freed after its last forward use (1), made again before its first backward use (8)
+        ((RECOMPUTE, SAVE), [150, 180, 130, 130, 130, 130, 130, 130, 157, 150], 1.0),
+        # b made again at 6 needs a there too: a comes back at 6, not 8
+        ((RECOMPUTE, RECOMPUTE), [150, 180, 130, 100, 100, 100, 187, 180, 150, 150], 3.0),
+        # b's copy (1.5 s from the end of step 1) is done during step 3; reload starts at backward start 5
+        # (the latest step hiding 1.5 s before step 6 would be 4, which is still forward): 0.5 s exposed
+        ((SAVE, OFFLOAD), [150, 180, 180, 180, 150, 180, 180, 180, 150, 150], 0.5),
+    ],
+)
+def test_curve_and_seconds_per_decision(decisions, curve, seconds):
+    p = problem()
+    memory = plan_memory(p, decisions)
+    assert memory.bytes_during.tolist() == curve
+    assert memory.peak_bytes == max(curve) and curve[memory.peak_step] == max(curve)
+    assert plan_seconds(p, decisions) == pytest.approx(seconds)
+
+
+def test_recompute_chain_materializes_inputs_with_their_earliest_consumer():
+    assert materialize_steps(problem(), (RECOMPUTE, RECOMPUTE)) == [6, 6]
+    assert materialize_steps(problem(), (RECOMPUTE, SAVE)) == [8, -1]
+
+
+@pytest.mark.parametrize(
+    "decisions, message",
+    [
+        ((SAVE,), "1 decisions for 2 candidates"),
+        ((SAVE, "keep"), "'keep' for 'b' is not valid"),
+        ((OFFLOAD, SAVE), "'a' cannot be offloaded"),
+    ],
+)
+def test_bad_decisions_are_named(decisions, message):
+    with pytest.raises(ValueError, match=message):
+        plan_memory(problem(), decisions)
+
+
+def test_bad_candidates_are_named():
+    with pytest.raises(ValueError, match="candidate 'x'"):
+        Candidate("x", 1, produced=3, last_forward_use=2, first_backward_use=5, last_use=6)
+    with pytest.raises(ValueError, match="recompute inputs must be earlier"):
+        MemoryProblem(np.zeros(4), np.ones(4), 2, (Candidate("x", 1, 0, 0, 2, 3, recompute_inputs=(0,)),))

@@ -1,0 +1,130 @@
+"""The memory budget's guarantees, end to end on CPU (issue 3, item 5), each measured with the profiler.
+
+- numerics: loss and gradients equal the same step compiled without a plan, dropout included;
+- a feasible plan's measured peak is within the budget; the predicted peak is within 5% of the measured;
+- monotonic: a lower budget never gives a higher measured peak;
+- no plan fits: the error names the smallest reachable peak; on_infeasible="best" compiles that plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from dpcs_testing import COMPILERS, dpcs_compile
+from dpcs_compiler import clear_compile_records, compile_records
+from dpcs_compiler.measure import measure_training_step
+from dpcs_compiler.models import GPTConfig, MiniGPT, workload
+
+LADDER_STEPS = 5
+
+
+def gpt_workload(dropout: float = 0.0, batch: int = 4, layers: int = 2):
+    w = workload("gpt", batch, layers=layers)
+    if dropout:
+        torch.manual_seed(0)
+        model = MiniGPT(dataclasses.replace(GPTConfig(layers=layers), dropout=dropout))
+        w = dataclasses.replace(w, model=model)
+    return w
+
+
+def measured_step(w, compiler: str, **options):
+    """Compile `w` afresh with these options and measure one step: (measurement, its compile record)."""
+    torch._dynamo.reset()
+    clear_compile_records()
+    compiled = dpcs_compile(w.model, compiler, **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # on_infeasible="best" warns; the record says it
+        result = measure_training_step(w.model, compiled, w.inputs, loss_fn=w.loss_fn, warmup=1, repeats=1)
+    (record,) = [r for r in compile_records() if r.mode == "training"]
+    return result, record
+
+
+def reachable_range(w, compiler: str) -> tuple[int, int]:
+    """(smallest peak any plan reaches, peak of the plan that saves everything), as predicted."""
+    _, lowest = measured_step(w, compiler, memory_budget=1, on_infeasible="best")
+    _, highest = measured_step(w, compiler, memory_budget="1TiB")
+    assert lowest.plan_feasible is False and highest.plan_feasible is True
+    assert highest.recomputed_values == 0 and lowest.recomputed_values > 0
+    return lowest.predicted_peak_bytes, highest.predicted_peak_bytes
+
+
+def budget_ladder(low: int, high: int) -> list[int]:
+    return [int(b) for b in np.linspace(high, low, LADDER_STEPS)]
+
+
+def step_gradients(model, compiled, inputs, loss_fn):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1234)  # the same dropout masks in both runs
+    loss = loss_fn(compiled(*inputs))
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_planned_steps_match_unplanned_numerics_with_dropout(compiler):
+    w = gpt_workload(dropout=0.1)
+    low, high = reachable_range(w, compiler)
+    torch._dynamo.reset()
+    expected = step_gradients(w.model, dpcs_compile(w.model, compiler), w.inputs, w.loss_fn)
+    for budget in (high, (low + high) // 2, low):
+        torch._dynamo.reset()
+        clear_compile_records()
+        compiled = dpcs_compile(w.model, compiler, memory_budget=budget, on_infeasible="best")
+        loss, grads = step_gradients(w.model, compiled, w.inputs, w.loss_fn)
+        (record,) = compile_records()
+        torch.testing.assert_close(loss, expected[0], msg=f"loss at budget {budget}")
+        torch.testing.assert_close(grads, expected[1], msg=f"gradients at budget {budget}")
+    assert record.recomputed_values > 0  # the last one really recomputed
+
+
+@pytest.mark.parametrize("name", ["gpt", "mlp"])
+def test_feasible_plans_stay_within_budget_monotonically_and_predict_the_peak(name):
+    w = gpt_workload() if name == "gpt" else workload("mlp", 512)
+    low, high = reachable_range(w, "eager")
+    rows = []
+    for budget in budget_ladder(low, high):
+        result, record = measured_step(w, "eager", memory_budget=budget)
+        rows.append((budget, record.predicted_peak_bytes, result.measured_peak_bytes, record.recomputed_values))
+    report = "\n".join(f"budget {b} predicted {p} measured {m} recomputed {r}" for b, p, m, r in rows)
+    for budget, predicted, measured, _ in rows:
+        assert measured <= budget, report
+        assert abs(predicted - measured) <= 0.05 * measured, report
+    measured_peaks = [m for _, _, m, _ in rows]
+    assert all(later <= earlier for earlier, later in zip(measured_peaks, measured_peaks[1:])), report
+    assert measured_peaks[-1] < measured_peaks[0], report  # the budget really bought memory
+
+
+def test_infeasible_budget_error_names_the_smallest_reachable_peak():
+    w = gpt_workload()
+    low, _ = reachable_range(w, "eager")
+    torch._dynamo.reset()
+    compiled = dpcs_compile(w.model, "eager", memory_budget=low - 1)
+    with pytest.raises(Exception, match=rf"smallest peak dpcs can reach is .* \({low} B\)") as error:
+        w.loss_fn(compiled(*w.inputs))
+    assert "on_infeasible='best'" in str(error.value)
+
+
+def test_infeasible_budget_best_compiles_the_lowest_plan_with_a_warning():
+    w = gpt_workload()
+    torch._dynamo.reset()
+    compiled = dpcs_compile(w.model, "eager", memory_budget=1, on_infeasible="best")
+    with pytest.warns(UserWarning, match="smallest peak dpcs can reach"):
+        w.loss_fn(compiled(*w.inputs)).backward()
+    (record,) = compile_records()
+    assert record.plan_feasible is False and record.budget_bytes == 1
+
+
+@pytest.mark.inductor
+def test_inductor_plan_within_budget_and_prediction():
+    w = gpt_workload()
+    low, high = reachable_range(w, "inductor")
+    budget = (low + high) // 2
+    result, record = measured_step(w, "inductor", memory_budget=budget)
+    assert record.plan_feasible and record.recomputed_values > 0
+    assert result.measured_peak_bytes <= budget, (result, record)
+    assert abs(result.relative_error) <= 0.05, (result, record)

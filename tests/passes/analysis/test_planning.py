@@ -1,0 +1,90 @@
+"""The planning analysis: candidates of a joint graph, and the base memory left when they are taken out."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from training_graphs import trace_module_training, trace_training
+from dpcs_compiler.cost.memory_model import SAVE, plan_memory
+from dpcs_compiler.models import workload
+from dpcs_compiler.passes.analysis import memory_timeline
+from dpcs_compiler.passes.analysis.planning import RUNTIME_ALLOWANCE_BYTES, planning_graph, planning_schedule
+from dpcs_compiler.passes.infra import AnalysisCache
+
+ROWS, D = 512, 256
+F32 = ROWS * D * 4
+
+
+def mlp_step(x, w0, w1, w2):
+    h = torch.relu(x @ w0)
+    h = torch.tanh(h @ w1)
+    return (h @ w2).sum()
+
+
+def planning_of(graphs, compiler="eager", parameter_indices=()):
+    cache = AnalysisCache()
+    schedule = planning_schedule(
+        graphs.joint,
+        num_fwd_outputs=graphs.num_fwd_outputs,
+        parameter_indices=parameter_indices,
+        compiler=compiler,
+        analyses=cache,
+    )
+    return cache.get(planning_graph, schedule), cache
+
+
+def mlp_graphs():
+    x = torch.randn(ROWS, D)
+    weights = [torch.randn(D, D, requires_grad=True) for _ in range(3)]
+    return trace_training(mlp_step, x, *weights)
+
+
+def test_candidates_of_a_three_layer_mlp():
+    planning, _ = planning_of(mlp_graphs(), parameter_indices=(1, 2, 3))
+    rows = {
+        c.holder.name: (c.nbytes, [n.name for n in c.recompute_nodes], c.recompute_inputs, c.transient, c.random)
+        for c in planning.candidates
+    }
+    # relu is made again from x and w0 (re-running mm, whose output is the transient); tanh from relu and w1.
+    assert rows == {
+        "relu": (F32, ["mm", "relu"], (), F32, False),
+        "tanh": (F32, ["mm_1", "tanh"], (0,), F32, False),
+    }
+    relu, tanh = planning.candidates
+    nodes = [n.name for n in planning.schedule.nodes]
+    assert nodes[relu.produced] == "relu" and nodes[tanh.produced] == "tanh"
+    assert nodes[relu.last_forward_use] == "mm_1" and nodes[tanh.last_forward_use] == "mm_2"
+    assert relu.first_backward_use >= planning.backward_start and relu.last_use >= relu.first_backward_use
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_saving_everything_reproduces_the_joint_timeline(compiler):
+    w = workload("gpt", 2)
+    graphs = trace_module_training(w.model, w.inputs, w.loss_fn)
+    planning, cache = planning_of(graphs, compiler, parameter_indices=range(len(list(w.model.parameters()))))
+    problem = planning.memory_problem(lambda node: 1e-6)
+    joint = cache.get(memory_timeline, planning.schedule)
+    assert len(problem.candidates) > 10
+    planned = plan_memory(problem, (SAVE,) * len(problem.candidates)).bytes_during
+    assert (planned - RUNTIME_ALLOWANCE_BYTES).tolist() == [s.during for s in joint.steps]
+
+
+def test_random_values_are_never_recomputed():
+    x = torch.randn(64, 32)
+    w = torch.randn(32, 32, requires_grad=True)
+
+    def step(x, w):
+        return torch.nn.functional.dropout(torch.relu(x @ w), p=0.5, training=True).sum()
+
+    planning, _ = planning_of(trace_training(step, x, w), parameter_indices=(1,))
+    assert any(c.random for c in planning.candidates)
+    problem = planning.memory_problem(lambda node: 1e-6)
+    assert [c.can_recompute for c in problem.candidates] == [not c.random for c in planning.candidates]
+
+
+def test_saved_pointwise_values_are_materialized_under_inductor():
+    """relu's output is read by threshold_backward: after partitioning it is a forward output, never fused."""
+    planning, _ = planning_of(mlp_graphs(), "inductor", parameter_indices=(1, 2, 3))
+    assert {c.holder.name for c in planning.candidates} >= {"relu", "tanh"}
+    assert not {n.name for n in planning.schedule.fused} & {"relu", "tanh"}
