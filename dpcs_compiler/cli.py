@@ -2,6 +2,7 @@
 
     dpcs dump [--out DIR] SCRIPT.py [ARGS ...]   run SCRIPT.py as __main__ with DPCS_DUMP_DIR=DIR, then summarise
     dpcs show DIR                                 summarise every graph folder under DIR
+    dpcs bench [ARGS ...]                         benchmark dpcs against eager/torch.compile (benchmarks/bench.py)
 """
 
 from __future__ import annotations
@@ -79,13 +80,30 @@ summary.json. Without this command, set DPCS_DUMP_DIR (or the backend option dum
     )
     show.add_argument("dir", metavar="DIR", type=Path, help="a folder written by `dpcs dump` or DPCS_DUMP_DIR")
     show.set_defaults(run=_show_command, command_parser=show)
+
+    bench = commands.add_parser(
+        "bench",
+        help="benchmark dpcs's memory planner against eager, checkpointing and torch.compile",
+        description=(
+            "Run benchmarks/bench.py of the dpcs source checkout this package lives in, with ARGS "
+            "(`dpcs bench --help` lists them): peak memory and step time of each model under each strategy, "
+            "written as JSON, a table and a Pareto plot under benchmarks/results/."
+        ),
+        usage="dpcs bench [ARGS ...]",
+        add_help=False,  # --help goes to the benchmark's own parser
+    )
+    bench.set_defaults(run=_bench_command, command_parser=bench)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `dpcs` console script; returns the exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "bench":
+        args.bench_args = extra  # every argument after `bench` belongs to the benchmark's own parser
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     _configure_logging(args.verbose)
     out = Console(file=sys.stdout, width=None if sys.stdout.isatty() else _WIDE)
     err = Console(file=sys.stderr, width=None if sys.stderr.isatty() else _WIDE)
@@ -161,6 +179,39 @@ def _dump_command(args: argparse.Namespace, parser: argparse.ArgumentParser, out
                   markup=False, highlight=False)
     print_summary(summaries, root, out)
     return status
+
+
+def bench_script() -> Path:
+    """benchmarks/bench.py of the source checkout holding this package (absent from an installed wheel)."""
+    return Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
+
+
+def _bench_command(args: argparse.Namespace, parser: argparse.ArgumentParser, out: Console, err: Console) -> int:
+    import importlib.util
+
+    script = bench_script()
+    if not script.is_file():
+        err.print(
+            f"dpcs bench: error: no benchmark at {script}; `dpcs bench` runs the benchmarks/ folder of a dpcs "
+            "source checkout (clone the repository and `pip install -e .` it)",
+            markup=False, highlight=False,
+        )
+        return EXIT_USAGE
+    spec = importlib.util.spec_from_file_location("dpcs_bench", script)
+    module = importlib.util.module_from_spec(spec)
+    saved = sys.modules.get(spec.name)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the script runs
+    try:
+        spec.loader.exec_module(module)
+        status = module.main(list(args.bench_args))
+    except SystemExit as exit:  # the benchmark's argparse: --help, bad arguments
+        return _exit_status(exit.code)
+    finally:
+        if saved is None:
+            sys.modules.pop(spec.name, None)
+        else:
+            sys.modules[spec.name] = saved
+    return 0 if status is None else int(status)
 
 
 def run_script(script: Path, script_args: Sequence[str], dump_dir: Path) -> int:

@@ -2,6 +2,9 @@
 
 Deliberately plain PyTorch: an MLP, a conv net, a minimal GPT (pre-norm blocks, causal
 scaled-dot-product attention, optional dropout) and a model with a graph break in its forward.
+For `dpcs bench`: an MLP and a ResNet-style conv net made of checkpointable blocks, and a Llama built with
+`transformers` from a config (random weights); `bench_workload` sizes them, `apply_activation_checkpointing`
+checkpoints each block.
 """
 
 from __future__ import annotations
@@ -150,3 +153,161 @@ def workload(name: str, batch: int, *, layers: int = 2, seed: int = 0) -> Worklo
         idx = torch.randint(0, cfg.vocab, (batch, cfg.block_size), generator=generator)
         return Workload(name, MiniGPT(cfg), (idx, torch.roll(idx, -1, dims=1)), _identity)
     raise ValueError(f"unknown workload {name!r}; valid choices: 'mlp', 'gpt'")
+
+
+# --- Benchmark models (`dpcs bench`) --------------------------------------------------------------------
+#
+# Each has a list of blocks (`checkpoint_blocks`) so the benchmark can apply eager full activation
+# checkpointing per block (`apply_activation_checkpointing`) as a user would.
+
+
+class BlockMLP(nn.Module):
+    """An MLP made of blocks (Linear + GELU), so that per-block activation checkpointing saves memory.
+
+    (`MLP` applies GELU between its Linear layers, outside them: checkpointing a bare Linear saves nothing.)
+    """
+
+    def __init__(self, d_in: int = 256, d_hidden: int = 512, d_out: int = 10, layers: int = 4) -> None:
+        super().__init__()
+        dims = [d_in] + [d_hidden] * (layers - 1)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(a, b), nn.GELU()) for a, b in zip(dims[:-1], dims[1:]))
+        self.head = nn.Linear(dims[-1], d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class ResidualConvBlock(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(x + self.bn2(self.conv2(y)))
+
+
+class ResConvNet(nn.Module):
+    """A small ResNet-style conv net: a stem conv, `layers` residual blocks at one resolution, a linear head."""
+
+    def __init__(self, channels: int = 32, layers: int = 4, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU())
+        self.blocks = nn.ModuleList(ResidualConvBlock(channels) for _ in range(layers))
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean(dim=(2, 3)))
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaSize:
+    vocab: int = 1000
+    hidden: int = 256
+    intermediate: int = 688
+    layers: int = 4
+    heads: int = 4
+    seq: int = 128
+
+
+class LlamaLM(nn.Module):
+    """`transformers.LlamaForCausalLM` built from a config with random weights (nothing is downloaded).
+
+    forward(ids) returns the next-token cross entropy of the logits against the ids shifted by one.
+    Needs the `transformers` package (imported when the model is built).
+    """
+
+    def __init__(self, size: LlamaSize = LlamaSize()) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            vocab_size=size.vocab,
+            hidden_size=size.hidden,
+            intermediate_size=size.intermediate,
+            num_hidden_layers=size.layers,
+            num_attention_heads=size.heads,
+            num_key_value_heads=size.heads,
+            max_position_embeddings=size.seq,
+            use_cache=False,
+            tie_word_embeddings=False,
+            attn_implementation="sdpa",
+        )
+        self.lm = LlamaForCausalLM(config)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        logits = self.lm(input_ids=ids, use_cache=False).logits
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+def checkpoint_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks that full activation checkpointing per block wraps: transformer layers, residual blocks."""
+    if isinstance(model, LlamaLM):
+        return list(model.lm.model.layers)
+    if isinstance(model, (MiniGPT, BlockMLP, ResConvNet)):
+        return list(model.blocks)
+    raise ValueError(
+        f"no checkpoint blocks known for {type(model).__name__}; valid: MiniGPT, BlockMLP, ResConvNet, LlamaLM"
+    )
+
+
+def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
+    """Wrap each block's forward in `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`, in place.
+
+    Each block then saves only its inputs for backward and recomputes its forward during backward. Apply it
+    to the model that will run (a deepcopy made afterwards still calls the original's blocks).
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    for block in checkpoint_blocks(model):
+        if getattr(block, "_dpcs_checkpointed", False):
+            continue
+
+        def checkpointed(*args, _forward=block.forward, **kwargs):
+            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+
+        block.forward = checkpointed
+        block._dpcs_checkpointed = True
+    return model
+
+
+BENCH_MODELS = ("mlp", "gpt", "llama", "convnet")
+
+
+def bench_workload(name: str, *, quick: bool = False, seed: int = 0) -> Workload:
+    """The `dpcs bench` workloads: "mlp", "gpt" (4 layers), "llama" (transformers, random init), "convnet".
+
+    Full sizes take ~50-300 ms per eager fp32 training step on a 2-core CPU, with peaks of tens to a few
+    hundred MiB; `quick` sizes are tiny (tests). Every model's output is turned into a loss by `loss_fn`.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    if name == "mlp":
+        d, batch, layers = (64, 64, 3) if quick else (512, 2048, 6)
+        x = torch.randn(batch, d, generator=generator)
+        return Workload(name, BlockMLP(d, d, 10, layers=layers + 1), (x,), _mean_square)
+    if name == "gpt":
+        cfg = GPTConfig(vocab=128, block_size=32, d_model=32, heads=2, layers=4) if quick else GPTConfig(
+            vocab=512, block_size=128, d_model=256, heads=4, layers=4
+        )
+        batch = 2 if quick else 8
+        idx = torch.randint(0, cfg.vocab, (batch, cfg.block_size), generator=generator)
+        return Workload(name, MiniGPT(cfg), (idx, torch.roll(idx, -1, dims=1)), _identity)
+    if name == "llama":
+        size = LlamaSize(vocab=128, hidden=32, intermediate=88, layers=2, heads=2, seq=32) if quick else LlamaSize()
+        batch = 2 if quick else 8
+        ids = torch.randint(0, size.vocab, (batch, size.seq), generator=generator)
+        return Workload(name, LlamaLM(size), (ids,), _identity)
+    if name == "convnet":
+        channels, layers, batch, hw = (8, 2, 4, 16) if quick else (32, 4, 32, 32)
+        x = torch.randn(batch, 3, hw, hw, generator=generator)
+        return Workload(name, ResConvNet(channels, layers), (x,), _mean_square)
+    raise ValueError(f"unknown bench workload {name!r}; valid choices: {', '.join(map(repr, BENCH_MODELS))}")

@@ -1,0 +1,648 @@
+"""`dpcs bench`: dpcs's memory planner against what users have today, measured side by side.
+
+    dpcs bench [--device cpu|cuda] [--models mlp,gpt,llama,convnet] [--steps N] [--warmup N]
+               [--strategies eager,eager_ac,compile,amb,dpcs] [--compiler inductor|eager] [--quick]
+               [--out benchmarks/results]
+    python benchmarks/bench.py [same arguments]
+
+Per model (an MLP, a minimal 4-layer GPT, a Llama built with `transformers` from a config with random
+weights, a ResNet-style conv net), one training step (zero grads, forward, loss, backward; `--sgd` adds an
+optimizer step) under each strategy:
+
+  eager               plain PyTorch
+  eager_ac            full activation checkpointing per block (torch.utils.checkpoint, use_reentrant=False)
+  compile             torch.compile default (Inductor)
+  compile_amb=X       torch.compile with torch._functorch.config.activation_memory_budget = X during compile
+  dpcs@B              torch.compile(backend="dpcs", options={"memory_budget": B, "on_infeasible": "best",
+                      "strict": True}) at B = each distinct measured peak of eager_ac and the compiled
+                      upstream strategies, and fractions (--dpcs-below) of the lowest of them
+
+All strategies are compiled first (each on its own copy of the model, with the same weights), their peak
+memory measured (dpcs_compiler.measure: CPU profiler memory events, or CUDA max_memory_allocated; parameters,
+buffers and inputs counted in), then timed interleaved round-robin in this one process: median step time.
+Ratios are against `compile`. A strategy that fails to compile or run is recorded with its error and left
+out of the rest. Writes bench_<device>.json (device, torch version, per model and strategy), prints tables,
+and plots bench_<device>.png (peak vs step time per model). `--quick` uses tiny sizes and writes
+bench_<device>_quick.*.
+
+Targets printed per dpcs budget: dpcs's step time <= that of every upstream strategy whose measured peak is
+>= dpcs's; and on the GPT, dpcs's lowest peak is below every upstream peak.
+
+`--compiler eager` is a cheap path (tests, debugging): the torch.compile strategies use backend "aot_eager"
+(same partitioner, so activation_memory_budget still applies) and dpcs its option compiler="eager".
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as a script from a checkout without the package installed
+    sys.path.insert(0, str(REPO))
+
+from dpcs_compiler.measure import measure_peak_memory, resident_bytes  # noqa: E402
+from dpcs_compiler.models import BENCH_MODELS, apply_activation_checkpointing, bench_workload  # noqa: E402
+from dpcs_compiler.report import compile_records, records_since  # noqa: E402
+
+MiB = 2**20
+DEFAULT_AMB = (0.0, 0.2, 0.5, 1.0)
+DEFAULT_BELOW = (0.85, 0.7)
+STRATEGY_KINDS = ("eager", "eager_ac", "compile", "amb", "dpcs")
+DEDUPE_RELATIVE = 0.005  # upstream peaks within 0.5% of each other give one dpcs budget
+# CompileRecord fields kept per dpcs graph (read with getattr: the planner's fields may be absent)
+RECORD_FIELDS = ("graph", "mode", "compiler", "predicted_peak_bytes", "budget_bytes", "plan_feasible", "solver",
+                 "recomputed_values", "offloaded_values", "plan_added_seconds", "partition_peak_bytes", "fallback")
+
+
+class LossModule(nn.Module):
+    """The model and its loss in one module, so a compiled strategy compiles forward + loss as one graph."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[[Any], torch.Tensor]) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(self.model(*inputs))
+
+
+class StrategyBackend:
+    """A Dynamo backend equal only to itself.
+
+    Dynamo reuses a frame's compiled graph for any model instance whose guards pass and whose backend
+    compares equal; two torch.compile(backend="inductor") calls compare equal, so a graph compiled under one
+    activation_memory_budget would serve another. A distinct backend object keeps each strategy's graphs.
+    """
+
+    def __init__(self, name: str, label: str) -> None:
+        self.name, self.label = name, label
+        self.fn = torch._dynamo.lookup_backend(name)
+
+    def __call__(self, gm, example_inputs, **kwargs):
+        return self.fn(gm, example_inputs, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"StrategyBackend({self.name!r}, {self.label!r})"
+
+
+@dataclasses.dataclass
+class Strategy:
+    name: str
+    kind: str  # "upstream" or "dpcs"
+    build: Callable[[nn.Module], Callable[..., torch.Tensor]]  # model copy -> callable (inputs -> loss)
+    compile_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    compiled: bool = False
+    budget_bytes: int | None = None
+    budget_source: str | None = None
+    # filled in while running
+    module: nn.Module | None = None
+    step: Callable[[], None] | None = None
+    result: dict[str, Any] = dataclasses.field(default_factory=dict)
+    times: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.result.get("error") is None and self.step is not None
+
+
+# --- strategies -------------------------------------------------------------------------------------------
+
+
+def upstream_strategies(kinds: Sequence[str], amb_budgets: Sequence[float], compiler: str) -> list[Strategy]:
+    backend = "inductor" if compiler == "inductor" else "aot_eager"
+    out = []
+    if "eager" in kinds:
+        out.append(Strategy("eager", "upstream", lambda m: m))
+    if "eager_ac" in kinds:
+        out.append(Strategy("eager_ac", "upstream", _eager_ac))
+    if "compile" in kinds:
+        out.append(Strategy("compile", "upstream", lambda m: torch.compile(m, backend=backend, dynamic=False),
+                            compiled=True))
+    if "amb" in kinds:
+        for budget in amb_budgets:
+            label = f"compile_amb={budget:g}"
+            out.append(
+                Strategy(
+                    label,
+                    "upstream",
+                    lambda m, label=label: torch.compile(m, backend=StrategyBackend(backend, label), dynamic=False),
+                    compile_context=lambda budget=budget: torch._functorch.config.patch(
+                        activation_memory_budget=budget
+                    ),
+                    compiled=True,
+                )
+            )
+    return out
+
+
+def _eager_ac(module: nn.Module) -> nn.Module:
+    apply_activation_checkpointing(module.model)
+    return module
+
+
+def dpcs_budgets(upstream: Sequence[Strategy], below: Sequence[float]) -> list[tuple[int, str]]:
+    """(budget bytes, where it comes from): each distinct measured peak of eager_ac and the compiled upstream
+    strategies, then `below` fractions of the lowest."""
+    peaks = sorted(
+        ((s.result["peak_bytes"], s.name) for s in upstream if s.ok and (s.compiled or s.name == "eager_ac")),
+        reverse=True,
+    )
+    budgets: list[tuple[int, list[str]]] = []
+    for peak, name in peaks:
+        for kept in budgets:
+            if abs(kept[0] - peak) <= DEDUPE_RELATIVE * kept[0]:
+                kept[1].append(name)
+                break
+        else:
+            budgets.append((peak, [name]))
+    out = [(peak, "peak of " + ", ".join(names)) for peak, names in budgets]
+    if budgets:
+        lowest = budgets[-1][0]
+        out += [(int(lowest * f), f"{f:g} x lowest upstream peak") for f in below]
+    return out
+
+
+def dpcs_strategy(budget: int, source: str, compiler: str, strict: bool = True) -> Strategy:
+    options = {"memory_budget": int(budget), "on_infeasible": "best", "compiler": compiler}
+    if strict:  # a failing dpcs stage is this point's error, not a plain-Inductor point labelled dpcs
+        options["strict"] = True
+    return Strategy(
+        f"dpcs@{budget / MiB:.4g}MiB",
+        "dpcs",
+        lambda m: torch.compile(m, backend="dpcs", options=dict(options), dynamic=False),
+        compiled=True,
+        budget_bytes=int(budget),
+        budget_source=source,
+    )
+
+
+# --- running ----------------------------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _error_text(error: BaseException) -> str:
+    boilerplate = ("Set TORCHDYNAMO", "You can suppress", "    import torch._dynamo", "    torch._dynamo.config")
+    lines = [ln for ln in str(error).splitlines() if ln.strip() and not ln.startswith(boilerplate)]
+    text = f"{type(error).__name__}: " + " | ".join(lines)
+    # long messages (a C++ compile error: the command, then the compiler's output) keep both ends
+    return text if len(text) <= 1200 else text[:400] + " ... " + text[-800:]
+
+
+def _unique_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def prepare(strategy: Strategy, base: LossModule, inputs: Sequence[torch.Tensor], *, device: torch.device,
+            warmup: int, sgd: bool) -> None:
+    """Copy the model, build the strategy, compile and warm it up (compile context held), measure its peak."""
+    result = strategy.result
+    result.update(kind=strategy.kind, compiled=strategy.compiled)
+    if strategy.budget_bytes is not None:
+        result.update(budget_bytes=strategy.budget_bytes, budget_source=strategy.budget_source)
+    records_before = compile_records()
+    graphs_before = _unique_graphs()
+    try:
+        module = copy.deepcopy(base)
+        fn = strategy.build(module)
+        optimizer = torch.optim.SGD(module.parameters(), lr=1e-4) if sgd else None
+
+        def step() -> None:
+            module.zero_grad(set_to_none=True)
+            fn(*inputs).backward()
+            if optimizer is not None:
+                optimizer.step()
+
+        with strategy.compile_context(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            start = time.perf_counter()  # the first forward and backward compile here, inside the context
+            step()
+            _sync(device)
+            result["first_step_s"] = time.perf_counter() - start
+            for _ in range(max(warmup - 1, 0)):
+                step()
+            graphs = _unique_graphs() - graphs_before
+            result["graphs"] = graphs
+            if strategy.compiled and graphs == 0:
+                raise RuntimeError("compiled no graph of its own (Dynamo reused another strategy's graph)")
+            _sync(device)
+            module.zero_grad(set_to_none=True)  # gradients freed before, not during, the measured step
+            resident = resident_bytes([*module.parameters(), *module.buffers(), *inputs])
+            _, peak = measure_peak_memory(step, device=device)
+        messages = list(dict.fromkeys(f"{w.category.__name__}: {w.message}" for w in caught
+                                      if not issubclass(w.category, (DeprecationWarning, FutureWarning))))
+        result["warnings"] = [m if len(m) <= 400 else m[:397] + "..." for m in messages[:5]]
+        result.update(peak_bytes=resident + peak.peak_increase_bytes, resident_bytes=resident, error=None)
+        strategy.module, strategy.step = module, step
+    except Exception as error:  # noqa: BLE001 - a failing strategy is a result, not the end of the run
+        result["error"] = _error_text(error)
+    finally:
+        records = records_since(records_before)
+        if strategy.kind == "dpcs":
+            _dpcs_fields(result, records)
+
+
+# Failures of the shared C++ build (Inductor's cache folder is shared with every process of the user; a
+# concurrent build of the same precompiled header or kernel has been seen to fail once): retried once.
+TRANSIENT_ERRORS = ("CppCompileError",)
+
+
+def prepare_with_retry(strategy: Strategy, *args: Any, log: Callable[[str], None], **kwargs: Any) -> None:
+    prepare(strategy, *args, **kwargs)
+    error = strategy.result.get("error")
+    if error and strategy.compiled and any(marker in error for marker in TRANSIENT_ERRORS):
+        log(f"  {strategy.name}: {error[:120]}... - retrying once")
+        strategy.result = {"retried_after": error}
+        prepare(strategy, *args, **kwargs)
+
+
+def _dpcs_fields(result: dict[str, Any], records: list) -> None:
+    rows = [{name: getattr(r, name, None) for name in RECORD_FIELDS} for r in records]
+    result["records"] = rows
+    training = [r for r in rows if r["mode"] == "training"]
+    result["predicted_peak_bytes"] = training[0]["predicted_peak_bytes"] if len(training) == 1 else None
+    feasible = [r["plan_feasible"] for r in training if r["plan_feasible"] is not None]
+    result["plan_feasible"] = all(feasible) if feasible else None
+    for field in ("recomputed_values", "offloaded_values"):
+        counts = [r[field] for r in training if r[field] is not None]
+        result[field] = sum(counts) if counts else None
+    fallbacks = [r["fallback"] for r in rows if r["fallback"]]
+    result["fallback"] = fallbacks[0] if fallbacks else None
+
+
+def time_interleaved(strategies: Sequence[Strategy], *, steps: int, warmup: int, device: torch.device) -> None:
+    """Round-robin: each round runs one step of every strategy (starting one further each round)."""
+    live = [s for s in strategies if s.ok]
+    graphs_before = _unique_graphs()
+    for round_ in range(warmup + steps):
+        order = live[round_ % len(live):] + live[: round_ % len(live)] if live else []
+        for strategy in order:
+            if not strategy.ok:
+                continue
+            try:
+                _sync(device)
+                start = time.perf_counter()
+                strategy.step()
+                _sync(device)
+                elapsed = time.perf_counter() - start
+            except Exception as error:  # noqa: BLE001
+                strategy.result["error"] = "while timing: " + _error_text(error)
+                strategy.step = None
+                continue
+            if round_ >= warmup:
+                strategy.times.append(elapsed)
+    recompiled = _unique_graphs() - graphs_before
+    for strategy in live:
+        if strategy.times:
+            strategy.result["step_s"] = statistics.median(strategy.times)
+            strategy.result["step_s_all"] = strategy.times
+        strategy.result["recompiles_while_timing"] = recompiled
+
+
+def run_model(name: str, args: argparse.Namespace, device: torch.device, log: Callable[[str], None]) -> dict[str, Any]:
+    torch._dynamo.reset()  # the previous model's strategies are done; start this one with empty caches
+    try:
+        w = bench_workload(name, quick=args.quick)
+    except Exception as error:  # noqa: BLE001 - e.g. transformers not installed
+        return {"error": _error_text(error), "strategies": {}}
+    base = LossModule(w.model, w.loss_fn).to(device)
+    inputs = tuple(x.to(device) for x in w.inputs)
+    strategies = upstream_strategies(args.strategies, args.amb, args.compiler)
+    for s in strategies:
+        log(f"[{name}] {s.name}: compiling / warming up")
+        prepare_with_retry(s, base, inputs, device=device, warmup=args.warmup, sgd=args.sgd, log=log)
+    if "dpcs" in args.strategies:
+        for budget, source in dpcs_budgets(strategies, args.dpcs_below):
+            s = dpcs_strategy(budget, source, args.compiler, strict=not args.dpcs_fallback)
+            if any(t.name == s.name for t in strategies):
+                continue
+            log(f"[{name}] {s.name} ({source}): compiling / warming up")
+            prepare_with_retry(s, base, inputs, device=device, warmup=args.warmup, sgd=args.sgd, log=log)
+            strategies.append(s)
+    log(f"[{name}] timing {sum(s.ok for s in strategies)} strategies interleaved, {args.steps} steps each")
+    time_interleaved(strategies, steps=args.steps, warmup=args.warmup, device=device)
+    for s in strategies:
+        s.module = s.step = None  # free the copies
+    results = {s.name: s.result for s in strategies}
+    reference = results.get("compile", {})
+    for r in results.values():
+        for key, ratio in (("step_s", "step_ratio"), ("peak_bytes", "peak_ratio")):
+            if r.get(key) is not None and reference.get(key):
+                r[ratio] = r[key] / reference[key]
+            else:
+                r[ratio] = None
+    model_params = sum(p.numel() for p in w.model.parameters())
+    return {
+        "model": type(w.model).__name__,
+        "parameters": model_params,
+        "inputs": [list(x.shape) for x in w.inputs],
+        "strategies": results,
+        "targets": targets(name, results),
+    }
+
+
+def targets(model: str, results: dict[str, dict]) -> dict[str, Any]:
+    """Per dpcs budget: its step time against every upstream strategy with a measured peak >= its own;
+    the model: dpcs's lowest peak against every upstream peak (a target on the GPT)."""
+    upstream = {n: r for n, r in results.items() if r["kind"] == "upstream" and r.get("step_s") is not None}
+    dpcs = {n: r for n, r in results.items() if r["kind"] == "dpcs" and r.get("step_s") is not None}
+    per_budget = {}
+    for name, r in dpcs.items():
+        compared = {u: ur for u, ur in upstream.items() if ur["peak_bytes"] >= r["peak_bytes"]}
+        slower_than = sorted(u for u, ur in compared.items() if r["step_s"] > ur["step_s"])
+        fallback = bool(r.get("fallback"))  # compiled by plain Inductor, not by dpcs: not a dpcs result
+        per_budget[name] = {
+            "budget_bytes": r.get("budget_bytes"),
+            "peak_bytes": r["peak_bytes"],
+            "within_budget": r["peak_bytes"] <= r["budget_bytes"] if r.get("budget_bytes") else None,
+            "compared_with": sorted(compared),
+            "slower_than": slower_than,
+            "worst_time_ratio": max((r["step_s"] / ur["step_s"] for ur in compared.values()), default=None),
+            "fallback": fallback,
+            "step_time_holds": not slower_than and not fallback,
+        }
+    upstream_peaks = [r["peak_bytes"] for r in upstream.values()]
+    dpcs_peaks = [r["peak_bytes"] for r in dpcs.values() if not r.get("fallback")]
+    lowest = {
+        "required": model == "gpt",
+        "dpcs_min_peak_bytes": min(dpcs_peaks, default=None),
+        "upstream_min_peak_bytes": min(upstream_peaks, default=None),
+        "holds": (min(dpcs_peaks) < min(upstream_peaks)) if dpcs_peaks and upstream_peaks else None,
+    }
+    return {
+        "per_budget": per_budget,
+        "step_time_holds": all(b["step_time_holds"] for b in per_budget.values()) if per_budget else None,
+        "lowest_peak": lowest,
+    }
+
+
+# --- output -----------------------------------------------------------------------------------------------
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def _mib(n: int | None) -> str:
+    if n is None:
+        return "-"
+    return f"{n / MiB:.1f}" if n >= 10 * MiB else f"{n / MiB:.3g}"
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def print_tables(payload: dict[str, Any], console) -> None:
+    from rich.table import Table
+
+    for model, m in payload["models"].items():
+        if m.get("error"):
+            console.print(f"[red]{model}: {m['error']}[/red]", highlight=False)
+            continue
+        table = Table(title=f"{model} ({m['model']}, {m['parameters'] / 1e6:.2f}M params) - {payload['device']}, "
+                            f"torch {payload['torch']}, compiler {payload['compiler']}")
+        for column in ("strategy", "budget MiB", "peak MiB", "peak / compile", "step ms", "step / compile",
+                       "predicted MiB", "feasible", "note"):
+            table.add_column(column, justify="left" if column in ("strategy", "note") else "right",
+                             overflow="fold")
+        for name, r in m["strategies"].items():
+            note = r.get("error") or (f"fallback: {r['fallback']}" if r.get("fallback") else "")
+            table.add_row(
+                name, _mib(r.get("budget_bytes")), _mib(r.get("peak_bytes")), _ratio(r.get("peak_ratio")),
+                "-" if r.get("step_s") is None else f"{r['step_s'] * 1e3:.1f}", _ratio(r.get("step_ratio")),
+                _mib(r.get("predicted_peak_bytes")),
+                "-" if r.get("plan_feasible") is None else str(r["plan_feasible"]),
+                note[:160] + ("..." if len(note) > 160 else ""),
+            )
+        console.print(table)
+        t = m["targets"]
+        for name, b in t["per_budget"].items():
+            if b["step_time_holds"]:
+                verdict = "[green]holds[/green]"
+            else:
+                why = [f"slower than {', '.join(b['slower_than'])}"] if b["slower_than"] else []
+                why += ["fell back to plain Inductor"] if b["fallback"] else []
+                verdict = f"[red]fails[/red] ({'; '.join(why)})"
+            console.print(f"  target step time, {name}: {verdict}; worst ratio {_ratio(b['worst_time_ratio'])} vs "
+                          f"{len(b['compared_with'])} upstream at >= its peak; within budget: {b['within_budget']}",
+                          highlight=False)
+        if not t["per_budget"]:
+            console.print("  target step time: no dpcs point ran", highlight=False)
+        low = t["lowest_peak"]
+        tag = "target" if low["required"] else "info"
+        console.print(f"  {tag} lowest peak: dpcs {_mib(low['dpcs_min_peak_bytes'])} MiB vs upstream "
+                      f"{_mib(low['upstream_min_peak_bytes'])} MiB: "
+                      + {True: "[green]holds[/green]", False: "[red]fails[/red]", None: "n/a"}[low["holds"]],
+                      highlight=False)
+
+
+def plot(payload: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(payload["models"].items())
+    cols = min(2, max(len(models), 1))
+    rows = (len(models) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(7 * cols, 5 * rows), squeeze=False)
+    for ax, (model, m) in zip(axes.flat, models):
+        ax.set_title(model)
+        ax.set_xlabel("median step time (ms)")
+        ax.set_ylabel("measured peak (MiB)")
+        points = {n: r for n, r in m.get("strategies", {}).items()
+                  if r.get("step_s") is not None and r.get("peak_bytes")}
+        if not points:
+            ax.text(0.5, 0.5, m.get("error") or "no strategy ran", ha="center", va="center", wrap=True,
+                    transform=ax.transAxes, fontsize=8)
+            continue
+        for kind, marker, color in (("upstream", "o", "tab:blue"), ("dpcs", "^", "tab:red"),
+                                    ("dpcs, fell back to Inductor", "x", "tab:gray")):
+            sel = [(n, r) for n, r in points.items()
+                   if r["kind"] == kind.split(",")[0] and bool(r.get("fallback")) == kind.endswith("Inductor")]
+            if not sel:
+                continue
+            xs = [r["step_s"] * 1e3 for _, r in sel]
+            ys = [r["peak_bytes"] / MiB for _, r in sel]
+            ax.scatter(xs, ys, marker=marker, color=color, label=kind, zorder=3)
+            frontier = _pareto(list(zip(xs, ys)))
+            if marker != "x":
+                ax.step([p[0] for p in frontier], [p[1] for p in frontier], where="post", color=color, alpha=0.4)
+            for (n, r), x, y in zip(sel, xs, ys):
+                label = f"B={_mib(r['budget_bytes'])}" if r["kind"] == "dpcs" and r.get("budget_bytes") else n
+                ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7, color=color)
+        failed = [n for n, r in m.get("strategies", {}).items() if r.get("error")]
+        if failed:
+            ax.text(0.01, 0.01, "failed: " + ", ".join(failed), transform=ax.transAxes, fontsize=6, va="bottom",
+                    wrap=True)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(models):]:
+        ax.axis("off")
+    fig.suptitle(f"peak memory vs step time ({payload['device']}, torch {payload['torch']}, compiler "
+                 f"{payload['compiler']}); lower-left is better", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _pareto(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Points not beaten on both step time and peak, by increasing time."""
+    frontier: list[tuple[float, float]] = []
+    for x, y in sorted(points):
+        if not frontier or y < frontier[-1][1]:
+            frontier.append((x, y))
+    return frontier
+
+
+# --- entry point ------------------------------------------------------------------------------------------
+
+
+def _csv(kind: Callable[[str], Any]) -> Callable[[str], list]:
+    return lambda text: [kind(part) for part in text.split(",") if part.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dpcs bench",
+        description="Measure dpcs's memory planner against eager, activation checkpointing and torch.compile: "
+        "peak memory and median step time per model and strategy.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__[__doc__.index("Per model"):],
+    )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--models", type=_csv(str), default=list(BENCH_MODELS),
+                        help=f"comma-separated, from {','.join(BENCH_MODELS)} (default: all)")
+    parser.add_argument("--strategies", type=_csv(str), default=list(STRATEGY_KINDS),
+                        help=f"comma-separated, from {','.join(STRATEGY_KINDS)} (default: all)")
+    parser.add_argument("--amb", type=_csv(float), default=list(DEFAULT_AMB),
+                        help="activation_memory_budget values of the compile_amb strategies (default: 0,0.2,0.5,1)")
+    parser.add_argument("--dpcs-below", type=_csv(float), default=list(DEFAULT_BELOW),
+                        help="extra dpcs budgets as fractions of the lowest upstream peak (default: 0.85,0.7)")
+    parser.add_argument("--dpcs-fallback", action="store_true",
+                        help="let a dpcs graph whose dpcs stage fails fall back to plain Inductor (recorded as "
+                        "fallback) instead of recording the error (default: dpcs option strict=True)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per strategy (default: 20)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per strategy first (default: 3)")
+    parser.add_argument("--compiler", choices=("inductor", "eager"), default="inductor",
+                        help="inductor (default), or eager: aot_eager for torch.compile, compiler='eager' for dpcs")
+    parser.add_argument("--sgd", action="store_true", help="add an SGD step to each training step")
+    parser.add_argument("--quick", action="store_true", help="tiny model sizes (tests)")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results", help="results folder")
+    parser.add_argument("--check-targets", action="store_true", help="exit 1 when a target does not hold")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for model in args.models:
+        if model not in BENCH_MODELS:
+            parser.error(f"unknown model {model!r}; valid choices: {', '.join(BENCH_MODELS)}")
+    for kind in args.strategies:
+        if kind not in STRATEGY_KINDS:
+            parser.error(f"unknown strategy {kind!r}; valid choices: {', '.join(STRATEGY_KINDS)}")
+    if args.steps < 1 or args.warmup < 1:
+        parser.error("--steps and --warmup must be >= 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available")
+
+    from rich.console import Console
+
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    device = torch.device(args.device)
+    log = lambda text: console.print(text, style="dim", highlight=False, markup=False)  # noqa: E731
+
+    # Every compiled strategy adds a cache entry to the same frames: lift Dynamo's recompile limit (8).
+    limit_name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    payload: dict[str, Any] = {
+        "device": device_name(device),
+        "device_type": device.type,
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "python": platform.python_version(),
+        "compiler": args.compiler,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "sgd": args.sgd,
+        "quick": args.quick,
+        "amb": args.amb,
+        "dpcs_below": args.dpcs_below,
+        "dpcs_strict": not args.dpcs_fallback,
+        "models": {},
+        "load_average_before": _load_average(),
+    }
+    load = payload["load_average_before"]
+    if device.type == "cpu" and load is not None and load > (os.cpu_count() or 1):
+        log(f"warning: the 1-minute load average is {load:.1f} on {os.cpu_count()} CPUs: "
+            "other processes compete for the CPU and step times will be noisy")
+    with contextlib.ExitStack() as stack:
+        # Each compile must derive its graphs anew: no FX-graph or AOTAutograd cache hits across strategies.
+        for config, key, value in ((torch._inductor.config, "fx_graph_cache", False),
+                                   (torch._functorch.config, "enable_autograd_cache", False),
+                                   (torch._dynamo.config, limit_name, 256)):
+            if hasattr(config, key):
+                stack.enter_context(config.patch(**{key: value}))
+        for model in args.models:
+            payload["models"][model] = run_model(model, args, device, log)
+    torch._dynamo.reset()
+    payload["load_average_after"] = _load_average()
+
+    print_tables(payload, console)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / (f"bench_{device.type}" + ("_quick" if args.quick else ""))
+    stem.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
+    plot(payload, stem.with_suffix(".png"))
+    console.print(f"wrote {stem}.json and {stem}.png", highlight=False, markup=False)
+    if args.check_targets:
+        ok = all(
+            m.get("targets", {}).get("step_time_holds") is True
+            and (not m["targets"]["lowest_peak"]["required"] or m["targets"]["lowest_peak"]["holds"] is True)
+            for m in payload["models"].values()
+        )
+        return 0 if ok else 1
+    return 0
+
+
+def _load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):  # not on every platform
+        return None
+
+
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""`dpcs bench`: a quick run on the tiny GPT through the cheap path (aot_eager / dpcs compiler="eager"), the
+budget and target logic on synthetic results, a failing strategy recorded, and the CLI entry."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dpcs_compiler import cli
+
+REPO = Path(__file__).resolve().parents[2]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("dpcs_bench_under_test", REPO / "benchmarks" / "bench.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory, bench):
+    out = tmp_path_factory.mktemp("bench")
+    torch._dynamo.reset()
+    status = bench.main([
+        "--quick", "--device", "cpu", "--models", "gpt", "--compiler", "eager", "--amb", "0.5",
+        "--dpcs-below", "0.85,0.7", "--steps", "2", "--warmup", "1", "--out", str(out),
+    ])
+    torch._dynamo.reset()
+    return status, out
+
+
+def test_quick_run_writes_results(quick_run):
+    status, out = quick_run
+    assert status == 0
+    payload = json.loads((out / "bench_cpu_quick.json").read_text())
+    assert payload["torch"] == torch.__version__ and payload["device"].startswith("cpu")
+    assert payload["device_type"] == "cpu" and payload["compiler"] == "eager" and payload["quick"] is True
+    assert (out / "bench_cpu_quick.png").read_bytes()[:8] == PNG_MAGIC
+
+    results = payload["models"]["gpt"]["strategies"]
+    upstream = ["eager", "eager_ac", "compile", "compile_amb=0.5"]
+    assert list(results)[:4] == upstream
+    for name in upstream:
+        r = results[name]
+        assert r["error"] is None, (name, r["error"])
+        assert r["kind"] == "upstream"
+        assert r["peak_bytes"] > r["resident_bytes"] > 0
+        assert r["step_s"] > 0 and len(r["step_s_all"]) == 2
+        assert r["step_ratio"] > 0 and r["peak_ratio"] > 0
+    assert results["compile"]["step_ratio"] == pytest.approx(1.0)
+    assert results["compile"]["peak_ratio"] == pytest.approx(1.0)
+    assert results["eager_ac"]["peak_bytes"] < results["eager"]["peak_bytes"]
+    # The budget reached the partitioner: its graph is not the default compile's (no cache reuse).
+    assert results["compile_amb=0.5"]["peak_bytes"] < results["compile"]["peak_bytes"]
+    assert results["compile"]["graphs"] == results["compile_amb=0.5"]["graphs"] == 1
+    assert all(r["recompiles_while_timing"] == 0 for r in results.values() if r.get("step_s") is not None)
+
+
+def test_quick_run_dpcs_points(quick_run):
+    """Each dpcs budget ran (peak, time, records) or failed with its error recorded; the budgets are the
+    distinct upstream peaks of eager_ac and the compiled strategies, then 0.85x and 0.7x of the lowest."""
+    _, out = quick_run
+    model = json.loads((out / "bench_cpu_quick.json").read_text())["models"]["gpt"]
+    results = model["strategies"]
+    dpcs = {n: r for n, r in results.items() if r["kind"] == "dpcs"}
+    upstream_peaks = [results[n]["peak_bytes"] for n in ("eager_ac", "compile", "compile_amb=0.5")]
+    lowest = min(upstream_peaks)
+    budgets = sorted((r["budget_bytes"] for r in dpcs.values()), reverse=True)
+    assert budgets[-2:] == [int(lowest * 0.85), int(lowest * 0.7)]
+    assert set(budgets[:-2]) <= set(upstream_peaks) and lowest in budgets and max(upstream_peaks) in budgets
+    for name, r in dpcs.items():
+        assert name.startswith("dpcs@") and r["budget_source"]
+        assert "records" in r and "predicted_peak_bytes" in r and "plan_feasible" in r
+        if r["error"] is not None:
+            assert isinstance(r["error"], str) and r["error"]
+            assert r.get("step_s") is None
+        else:
+            assert r["peak_bytes"] > 0 and r["step_s"] > 0
+            assert any(rec["mode"] == "training" for rec in r["records"])
+    targets = model["targets"]
+    assert set(targets["per_budget"]) == {n for n, r in dpcs.items() if r.get("step_s") is not None}
+    assert targets["lowest_peak"]["required"] is True
+    assert targets["lowest_peak"]["upstream_min_peak_bytes"] == min(
+        r["peak_bytes"] for r in results.values() if r["kind"] == "upstream"
+    )
+
+
+def _result(kind, peak, step, budget=None):
+    return {"kind": kind, "peak_bytes": peak, "step_s": step, "budget_bytes": budget, "error": None}
+
+
+def test_targets(bench):
+    results = {
+        "eager": _result("upstream", 100 * MiB, 0.10),
+        "eager_ac": _result("upstream", 60 * MiB, 0.13),
+        "compile": _result("upstream", 90 * MiB, 0.08),
+        "dpcs@90MiB": _result("dpcs", 80 * MiB, 0.08, 90 * MiB),  # <= eager, compile: holds
+        "dpcs@60MiB": _result("dpcs", 55 * MiB, 0.12, 60 * MiB),  # compared with all three: slower than 2
+        "dpcs@50MiB": _result("dpcs", 52 * MiB, 0.20, 50 * MiB),  # over budget; slower than all
+    }
+    t = bench.targets("gpt", results)
+    first = t["per_budget"]["dpcs@90MiB"]
+    assert first["step_time_holds"] and first["compared_with"] == ["compile", "eager"] and first["within_budget"]
+    assert first["worst_time_ratio"] == pytest.approx(1.0)
+    second = t["per_budget"]["dpcs@60MiB"]
+    assert not second["step_time_holds"] and second["slower_than"] == ["compile", "eager"]
+    third = t["per_budget"]["dpcs@50MiB"]
+    assert third["within_budget"] is False and third["slower_than"] == ["compile", "eager", "eager_ac"]
+    assert t["step_time_holds"] is False
+    assert t["lowest_peak"] == {"required": True, "dpcs_min_peak_bytes": 52 * MiB,
+                                "upstream_min_peak_bytes": 60 * MiB, "holds": True}
+    assert bench.targets("mlp", {"eager": results["eager"]})["lowest_peak"]["holds"] is None
+
+
+def test_dpcs_budgets_dedupe_and_below(bench):
+    def strategy(name, peak, compiled=True):
+        s = bench.Strategy(name, "upstream", lambda m: m, compiled=compiled)
+        s.result, s.step = {"peak_bytes": peak, "error": None}, lambda: None
+        return s
+
+    upstream = [
+        strategy("eager", 200 * MiB, compiled=False),  # plain eager gives no budget
+        strategy("eager_ac", 100 * MiB, compiled=False),
+        strategy("compile", 150 * MiB),
+        strategy("compile_amb=1", 150 * MiB + 1000),  # within 0.5%: one budget
+        strategy("compile_amb=0.5", 120 * MiB),
+    ]
+    budgets = bench.dpcs_budgets(upstream, [0.85, 0.7])
+    assert [b for b, _ in budgets] == [
+        150 * MiB + 1000, 120 * MiB, 100 * MiB, int(100 * MiB * 0.85), int(100 * MiB * 0.7)
+    ]
+    assert "compile" in budgets[0][1] and "compile_amb=1" in budgets[0][1]
+    assert bench.dpcs_budgets([], [0.85]) == []
+
+
+def test_failing_strategy_is_recorded(bench):
+    """A strategy whose compile raises keeps its error and no step; the run goes on."""
+
+    def broken(module):
+        return torch.compile(module, backend="dpcs", options={"no_such_option": 1})
+
+    base = bench.LossModule(torch.nn.Linear(4, 2), lambda out: out.sum())
+    s = bench.Strategy("dpcs@1MiB", "dpcs", broken, compiled=True, budget_bytes=MiB, budget_source="test")
+    bench.prepare(s, base, (torch.randn(3, 4),), device=torch.device("cpu"), warmup=1, sgd=False)
+    assert not s.ok and "no_such_option" in s.result["error"]
+    assert s.result["budget_bytes"] == MiB and s.result["records"] == []
+    ok = bench.Strategy("eager", "upstream", lambda m: m)
+    bench.prepare(ok, base, (torch.randn(3, 4),), device=torch.device("cpu"), warmup=1, sgd=True)
+    bench.time_interleaved([s, ok], steps=2, warmup=0, device=torch.device("cpu"))
+    assert ok.ok and ok.result["step_s"] > 0 and "step_s" not in s.result
+
+
+def test_dpcs_fields_read_records_with_or_without_planner_fields(bench):
+    from dpcs_compiler.report import CompileRecord
+
+    old = CompileRecord("graph_000", predicted_peak_bytes=5 * MiB)  # whatever fields this checkout has
+    result = {}
+    bench._dpcs_fields(result, [old])
+    assert result["predicted_peak_bytes"] == 5 * MiB and result["fallback"] is None
+    assert result["records"][0]["graph"] == "graph_000"
+
+    class Planned:  # a record with the planner's fields
+        graph, mode, compiler, predicted_peak_bytes, fallback = "graph_001", "training", "eager", 7 * MiB, None
+        budget_bytes, plan_feasible, solver, recomputed_values, offloaded_values = 8 * MiB, False, "exact", 3, 1
+
+    class Inference:
+        graph, mode, predicted_peak_bytes, fallback = "graph_002", "inference", MiB, None
+
+    result = {}
+    bench._dpcs_fields(result, [Planned(), Inference()])
+    assert result["predicted_peak_bytes"] == 7 * MiB and result["plan_feasible"] is False
+    assert (result["recomputed_values"], result["offloaded_values"]) == (3, 1)
+    assert result["records"][0]["budget_bytes"] == 8 * MiB and result["records"][1]["plan_feasible"] is None
+
+
+def test_transient_compile_error_is_retried_once(bench):
+    calls = []
+
+    def flaky(module):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("InductorError: CppCompileError: C++ compile error (simulated)")
+        return torch.compile(module, backend=bench.StrategyBackend("aot_eager", "flaky"), dynamic=False)
+
+    base = bench.LossModule(torch.nn.Linear(4, 2), lambda out: out.square().mean())
+    s = bench.Strategy("compile", "upstream", flaky, compiled=True)
+    bench.prepare_with_retry(s, base, (torch.randn(3, 4),), device=torch.device("cpu"), warmup=1, sgd=False,
+                             log=lambda text: None)
+    assert len(calls) == 2 and s.ok and s.result["graphs"] == 1
+    assert "simulated" in s.result["retried_after"] and s.result["peak_bytes"] > 0
+
+
+def test_cli_bench_help(capsys):
+    assert cli.main(["bench", "--help"]) == 0
+    assert "--quick" in capsys.readouterr().out
+
+
+def test_cli_bench_passes_arguments(capsys):
+    assert cli.main(["bench", "--models", "nope"]) == 2
+    assert "unknown model 'nope'" in capsys.readouterr().err
+
+
+def test_cli_bench_without_checkout(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(cli, "bench_script", lambda: tmp_path / "benchmarks" / "bench.py")
+    assert cli.main(["bench", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert "dpcs bench: error: no benchmark at" in err and "source checkout" in err
+
+
+def test_cli_other_commands_still_reject_unknown_arguments(capsys):
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["show", "somewhere", "--bogus"])
+    assert exit.value.code == 2
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
