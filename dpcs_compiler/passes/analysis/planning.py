@@ -73,8 +73,18 @@ class PlanningGraph:
         """The pure problem the solvers take: step times from `node_seconds`; offload allowed (and costed)
         only when `transfer_seconds` is given (a device with a host link)."""
         step_seconds = np.array([node_seconds(n) for n in self.schedule.nodes], dtype=np.float64)
+        # Two couplings the memory model does not carry, ruled out instead (a plan with them would hold
+        # memory the model does not count): a candidate whose recomputation reads an input after that
+        # input's own last use (the input would have to live longer), and the offload of a candidate that
+        # a recomputation reads (its reload would have to come before the recomputation).
+        late_input = {
+            i
+            for i, c in enumerate(self.candidates)
+            if any(self.candidates[j].last_use < c.first_backward_use for j in c.recompute_inputs)
+        }
+        read_by_recompute = {j for c in self.candidates for j in c.recompute_inputs}
         candidates = []
-        for c in self.candidates:
+        for i, c in enumerate(self.candidates):
             candidates.append(
                 Candidate(
                     name=c.holder.name,
@@ -87,8 +97,8 @@ class PlanningGraph:
                     recompute_transient=c.transient,
                     recompute_inputs=c.recompute_inputs,
                     transfer_seconds=transfer_seconds(c.nbytes) if transfer_seconds is not None else 0.0,
-                    can_recompute=not c.random,
-                    can_offload=transfer_seconds is not None,
+                    can_recompute=not c.random and i not in late_input,
+                    can_offload=transfer_seconds is not None and i not in read_by_recompute,
                 )
             )
         return MemoryProblem(

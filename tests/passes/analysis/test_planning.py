@@ -88,3 +88,32 @@ def test_saved_pointwise_values_are_materialized_under_inductor():
     planning, _ = planning_of(mlp_graphs(), "inductor", parameter_indices=(1, 2, 3))
     assert {c.holder.name for c in planning.candidates} >= {"relu", "tanh"}
     assert not {n.name for n in planning.schedule.fused} & {"relu", "tanh"}
+
+
+def test_recomputations_that_would_outlive_their_inputs_are_ruled_out(monkeypatch):
+    """In a residual conv net a block's sum reads a convolution whose own backward uses end earlier:
+    recomputing the sum would keep the convolution alive longer than the model counts, so it is not offered."""
+    import dpcs_compiler.pipeline as pipeline
+    from dpcs_compiler.models import bench_workload
+
+    seen = []
+
+    def capture(schedule, analyses=None):
+        seen.append(planning_graph(schedule, analyses))
+        return seen[-1]
+
+    monkeypatch.setattr(pipeline, "planning_graph", capture)
+    w = bench_workload("convnet", quick=True)
+    compiled = torch.compile(w.model, backend="dpcs", options={"compiler": "eager", "strict": True, "memory_budget": 2**40})
+    w.loss_fn(compiled(*w.inputs)).backward()
+    (planning,) = seen
+    problem = planning.memory_problem(lambda node: 1e-6, transfer_seconds=lambda nbytes: 1e-6)
+    late = [
+        i for i, c in enumerate(planning.candidates)
+        if any(planning.candidates[j].last_use < c.first_backward_use for j in c.recompute_inputs)
+    ]
+    assert late, "the residual net should have such sums"
+    for i, candidate in enumerate(problem.candidates):
+        assert candidate.can_recompute == (not planning.candidates[i].random and i not in late)
+        read = any(i in c.recompute_inputs for c in problem.candidates)
+        assert candidate.can_offload == (not read)

@@ -1,0 +1,658 @@
+"""The fast solver: heuristics on an incrementally re-simulated timeline, for problems too big for the exact one.
+
+All stages edit a `Timeline`, which keeps the bytes alive at every step equal to `plan_memory`'s under every
+edit (tested), so every move sees the true peak:
+
+- greedy repair: while the peak is over the budget, apply the change at the peak step that frees the most of
+  what is still needed there per added second (screened for every candidate at once, the best few checked
+  exactly); then clean up: revert the costliest decisions the budget no longer needs;
+- Lagrangian prices: a price per step on bytes over the budget, raised by subgradient steps; under given
+  prices each candidate picks its cheapest decision on its own, and each such plan is repaired and cleaned
+  up into a candidate answer (prices see which steps stay tight, which the peak-step greedy cannot);
+- local search on the best plan: drop a decision and repair without it, or make a change, then clean up;
+  keep what is faster.
+
+Deterministic: work is bounded by counts, never by the clock.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from dpcs_compiler.cost.memory_model import DECISIONS, MemoryProblem
+from dpcs_compiler.solve.solution import Solution, measured_solution
+
+SAVE_, RECOMPUTE_, OFFLOAD_ = 0, 1, 2  # indices into DECISIONS
+_FREE = 1e-15  # an added time at or below this counts as free
+_EXACT_RANKED = 4  # greedy: how many of the screen's best changes are ranked again on exact effects
+_PRICE_ROUNDS = 60  # subgradient steps on the step prices
+_PRICE_PLANS = 60  # at most this many of their plans are repaired into candidate answers
+_PRICE_PATIENCE = 5  # rounds without a better bound before the step size halves
+# Work allowances, in moves evaluated (`Timeline.work`; a few tens of microseconds each): prices stop handing
+# out plans past the first, local search stops past the second. The solver-gap problems (30-60 candidates)
+# finish within them (at most about 2,800 before the local search and 5,900 in all); big ones are cut short,
+# which keeps 2,500 steps x 400 candidates under a second.
+_PRICE_WORK = 5_000
+_SEARCH_WORK = 10_000
+_PEAK_PROBES = 16  # bisection steps towards the lowest peak, when the budget cannot be met
+
+Interval = tuple[int, int, int]  # (first step, last step, bytes)
+
+
+class Move:
+    """Setting candidate i to decision k: the candidates' intervals it adds (signed), the new remake steps
+    (i's and its recomputed inputs'), and, once asked, its whole effect on the bytes alive at each step."""
+
+    __slots__ = ("i", "k", "delta", "made", "_effect")
+
+    def __init__(self, i: int, k: int, delta: list[Interval], made: dict[int, int]) -> None:
+        self.i, self.k, self.delta, self.made = i, k, delta, made
+        self._effect: tuple[int, np.ndarray] | None = None
+
+
+class Timeline:
+    """A plan being edited: each candidate's decision and remake step, and the bytes alive at every step,
+    kept equal to `plan_memory(problem, decisions).bytes_during`.
+
+    `during` is the base bytes plus the candidates' intervals, plus `extra` at the steps where candidates with
+    transients are made again: what lifts such a step to before + candidates + the largest of those
+    transients, when that is more (plan_memory's rule)."""
+
+    def __init__(self, problem: MemoryProblem) -> None:
+        cands = problem.candidates
+        n = self.n = len(cands)
+        self.produced = [c.produced for c in cands]
+        self.forward_end = [c.last_forward_use for c in cands]
+        self.first_backward = [c.first_backward_use for c in cands]
+        self.last = [c.last_use for c in cands]
+        self.nbytes = [c.nbytes for c in cands]
+        self.transient = [c.recompute_transient if c.can_recompute else 0 for c in cands]
+        self.free = [problem.offload_free_step(i) if c.can_offload else -1 for i, c in enumerate(cands)]
+        self.reload = [problem.reload_step(i) if c.can_offload else -1 for i, c in enumerate(cands)]
+        self.inputs = [c.recompute_inputs for c in cands]
+        self.consumers: list[list[int]] = [[] for _ in range(n)]
+        for d, c in enumerate(cands):
+            for j in c.recompute_inputs:
+                self.consumers[j].append(d)
+        # cost[i][k]: seconds decision k adds (inf: not allowed).
+        self.cost = [
+            [
+                0.0,
+                c.recompute_seconds if c.can_recompute else math.inf,
+                problem.exposed_transfer_seconds(i) if c.can_offload else math.inf,
+            ]
+            for i, c in enumerate(cands)
+        ]
+        self.base = problem.base_bytes
+        self.before = problem.base_before_bytes
+        # The same as arrays, for screening every candidate at once.
+        self.a_produced = np.array(self.produced, dtype=np.int64)
+        self.a_forward_end = np.array(self.forward_end, dtype=np.int64)
+        self.a_first_backward = np.array(self.first_backward, dtype=np.int64)
+        self.a_last = np.array(self.last, dtype=np.int64)
+        self.a_nbytes = np.array(self.nbytes, dtype=np.int64)
+        self.a_transient = np.array(self.transient, dtype=np.int64)
+        self.a_free = np.array(self.free, dtype=np.int64)
+        self.a_reload = np.array(self.reload, dtype=np.int64)
+        self.a_cost = np.array(self.cost, dtype=np.float64).reshape(n, 3)
+        self.edge_input = np.array([j for c in cands for j in c.recompute_inputs], dtype=np.int64)
+        self.edge_consumer = np.array([d for d, c in enumerate(cands) for _ in c.recompute_inputs], dtype=np.int64)
+        self.work = 0  # moves evaluated so far: the unit the solver's effort is bounded in
+        self.reset([SAVE_] * n)
+
+    # -- whole-plan state -------------------------------------------------------------------------------------
+
+    def reset(self, decision: list[int]) -> None:
+        """Set every decision at once (materialize_steps and candidate_intervals in one pass)."""
+        n = self.n
+        made = [-1] * n
+        for i in reversed(range(n)):
+            if decision[i] == RECOMPUTE_:
+                made[i] = self.first_backward[i] if made[i] < 0 else min(made[i], self.first_backward[i])
+                for j in self.inputs[i]:
+                    if decision[j] == RECOMPUTE_:
+                        made[j] = made[i] if made[j] < 0 else min(made[j], made[i])
+        starts, ends, sizes = [], [], []
+        for i in range(n):
+            for a, b, v in self.intervals(i, decision[i], made[i]):
+                starts.append(a)
+                ends.append(b + 1)
+                sizes.append(v)
+        delta = np.zeros(len(self.base) + 1, dtype=np.int64)
+        np.add.at(delta, np.array(starts, dtype=np.int64), np.array(sizes, dtype=np.int64))
+        np.add.at(delta, np.array(ends, dtype=np.int64), -np.array(sizes, dtype=np.int64))
+        self.decision = list(decision)
+        self.made = made
+        self.a_decision = np.array(decision, dtype=np.int64)
+        self.a_made = np.array(made, dtype=np.int64)
+        self.seconds = math.fsum(self.cost[i][k] for i, k in enumerate(decision))
+        self.remade: dict[int, dict[int, int]] = {}  # step -> {candidate: transient} made again there
+        for i in range(n):
+            if made[i] >= 0 and self.transient[i]:
+                self.remade.setdefault(made[i], {})[i] = self.transient[i]
+        self.extra = np.zeros(len(self.base), dtype=np.int64)
+        for step, made_there in self.remade.items():
+            self.extra[step] = self._extra(step, max(made_there.values()))
+        self.during = self.base + np.cumsum(delta[:-1]) + self.extra
+
+    def _extra(self, step: int, transient: int) -> int:
+        """How far recomputing with the largest transient `transient` at `step` lifts the step (0: none)."""
+        if transient <= 0:
+            return 0
+        return max(0, int(self.before[step]) + transient - int(self.base[step]))
+
+    def snapshot(self) -> tuple:
+        remade = {s: dict(m) for s, m in self.remade.items()}
+        return list(self.decision), list(self.made), self.seconds, self.during.copy(), self.extra.copy(), remade
+
+    def restore(self, state: tuple) -> None:
+        decision, made, self.seconds, during, extra, remade = state
+        self.decision, self.made = list(decision), list(made)
+        self.during, self.extra = during.copy(), extra.copy()
+        self.remade = {s: dict(m) for s, m in remade.items()}
+        self.a_decision = np.array(decision, dtype=np.int64)
+        self.a_made = np.array(made, dtype=np.int64)
+
+    def decisions(self) -> tuple[str, ...]:
+        return tuple(DECISIONS[k] for k in self.decision)
+
+    def peak(self) -> int:
+        return int(self.during.max())
+
+    # -- one candidate at a time ------------------------------------------------------------------------------
+
+    def intervals(self, i: int, k: int, made: int) -> list[Interval]:
+        """Where candidate i is alive under decision k (remade at `made`): candidate_intervals' rule."""
+        nb = self.nbytes[i]
+        if k == SAVE_:
+            return [(self.produced[i], self.last[i], nb)]
+        if k == RECOMPUTE_:
+            return [(self.produced[i], self.forward_end[i], nb), (made, self.last[i], nb)]
+        return [(self.produced[i], self.free[i], nb), (self.reload[i], self.last[i], nb)]
+
+    def change(self, i: int, k: int) -> Move:
+        """Setting candidate i to decision k, not applied. Its recomputed inputs (recursively) may be pulled
+        earlier or let go later: materialize_steps' rule, on the few candidates it can touch."""
+        self.work += 1
+        decision = self.decision
+        old_k = decision[i]
+        decision[i] = k  # temporarily, to walk the plan as it would be
+        try:
+            affected = [i]
+            stack = [i]
+            while stack:
+                for j in self.inputs[stack.pop()]:
+                    if decision[j] == RECOMPUTE_ and j not in affected:
+                        affected.append(j)
+                        stack.append(j)
+            made: dict[int, int] = {}
+            for x in sorted(affected, reverse=True):  # consumers before their inputs
+                if decision[x] != RECOMPUTE_:
+                    made[x] = -1
+                    continue
+                m = self.first_backward[x]
+                for d in self.consumers[x]:
+                    if decision[d] == RECOMPUTE_:
+                        m = min(m, made.get(d, self.made[d]))
+                made[x] = m
+        finally:
+            decision[i] = old_k
+        delta = []
+        for x, m in made.items():
+            if x == i or m != self.made[x]:
+                delta += [(a, b, -v) for a, b, v in self.intervals(x, decision[x], self.made[x])]
+                delta += self.intervals(x, k if x == i else decision[x], m)
+        return Move(i, k, delta, made)
+
+    def _transient_moves(self, move: Move) -> dict[int, dict[int, int]]:
+        """The transient steps `move` touches, each with what would be made again there after it."""
+        after: dict[int, dict[int, int]] = {}
+        for x, m in move.made.items():
+            if not self.transient[x]:
+                continue
+            old, new = self.made[x], m
+            if old == new:
+                continue
+            if old >= 0:
+                after.setdefault(old, dict(self.remade.get(old, {}))).pop(x, None)
+            if new >= 0:
+                after.setdefault(new, dict(self.remade.get(new, {})))[x] = self.transient[x]
+        return after
+
+    def effect(self, move: Move) -> tuple[int, np.ndarray]:
+        """(first step, what `move` adds to the bytes alive at each step from there)."""
+        if move._effect is None:
+            lo, local = _dense(move.delta)
+            for step, made_there in self._transient_moves(move).items():
+                local[step - lo] += self._extra(step, max(made_there.values(), default=0)) - int(self.extra[step])
+            move._effect = (lo, local)
+        return move._effect
+
+    def at(self, move: Move, t: int) -> int:
+        """What `move` adds to the bytes alive at step t."""
+        lo, local = self.effect(move)
+        return int(local[t - lo]) if lo <= t < lo + len(local) else 0
+
+    def raises_to(self, move: Move) -> int:
+        """The highest value any step `move` raises would reach (min int64 when it raises none)."""
+        lo, local = self.effect(move)
+        raised = local > 0
+        if not raised.any():
+            return int(np.iinfo(np.int64).min)
+        return int((self.during[lo : lo + len(local)][raised] + local[raised]).max())
+
+    def apply(self, move: Move) -> None:
+        """Commit `move`."""
+        lo, local = self.effect(move)
+        for step, made_there in self._transient_moves(move).items():
+            if made_there:
+                self.remade[step] = made_there
+            else:
+                self.remade.pop(step, None)
+            self.extra[step] = self._extra(step, max(made_there.values(), default=0))
+        self.during[lo : lo + len(local)] += local
+        for x, m in move.made.items():
+            self.made[x] = m
+            self.a_made[x] = m
+        i, k = move.i, move.k
+        self.seconds += self.cost[i][k] - self.cost[i][self.decision[i]]
+        self.decision[i] = k
+        self.a_decision[i] = k
+
+    def set(self, i: int, k: int) -> None:
+        self.apply(self.change(i, k))
+
+    # -- every candidate at once ------------------------------------------------------------------------------
+
+    def freed_at(self, t: int) -> np.ndarray:
+        """int64 [n, 3]: about the bytes each candidate's switch to each decision frees at step t (a screen:
+        recomputed inputs pulled earlier or let go are followed one level; `change` is exact)."""
+        p, f, last, nb = self.a_produced, self.a_forward_end, self.a_last, self.a_nbytes
+        decision, made = self.a_decision, self.a_made
+        pull = self.a_first_backward.copy()  # where each candidate would be remade if recomputed now
+        if len(self.edge_input):
+            by = decision[self.edge_consumer] == RECOMPUTE_
+            np.minimum.at(pull, self.edge_input[by], made[self.edge_consumer[by]])
+        forward = (p <= t) & (t <= f)
+        save = nb * ((p <= t) & (t <= last))
+        recompute = nb * (forward + ((pull <= t) & (t <= last)))
+        offload = nb * (((p <= t) & (t <= self.a_free)) + ((self.a_reload <= t) & (t <= last)))
+        now_recompute = nb * (forward + ((made <= t) & (t <= last)))
+        now = np.choose(decision, (save, now_recompute, offload))
+        freed = now[:, None] - np.stack((save, recompute, offload), axis=1)
+        # A transient made again at t lifts t to at least before + its transient.
+        largest = max(self.remade.get(t, {}).values(), default=0)
+        largest_after = np.maximum(largest, self.a_transient)
+        lifted = np.where(largest_after > 0, np.maximum(0, int(self.before[t]) - int(self.base[t]) + largest_after), 0)
+        freed[:, RECOMPUTE_] -= np.where((pull == t) & (made != t), lifted - self.extra[t], 0)
+        # One made again at t that stops being recomputed takes its transient away.
+        for x in self.remade.get(t, {}):
+            others = max((v for y, v in self.remade[t].items() if y != x), default=0)
+            freed[x, [SAVE_, OFFLOAD_]] += int(self.extra[t]) - self._extra(t, others)
+        if len(self.edge_input):
+            j, d = self.edge_input, self.edge_consumer
+            alive_input = (decision[j] == RECOMPUTE_) & (t <= last[j])
+            # A recomputed consumer that stops being recomputed lets go of the inputs it pulled earlier.
+            released = alive_input & (decision[d] == RECOMPUTE_) & (made[j] == made[d]) & (made[d] <= t)
+            released &= t < self.a_first_backward[j]
+            let_go = np.zeros(self.n, dtype=np.int64)
+            np.add.at(let_go, d[released], nb[j[released]])
+            freed[:, SAVE_] += let_go
+            freed[:, OFFLOAD_] += let_go
+            # One that becomes recomputed pulls its recomputed inputs earlier.
+            pulled = alive_input & (decision[d] != RECOMPUTE_) & (pull[d] <= t) & (t < made[j])
+            held = np.zeros(self.n, dtype=np.int64)
+            np.add.at(held, d[pulled], nb[j[pulled]])
+            freed[:, RECOMPUTE_] -= held
+        return freed
+
+
+def _dense(delta: list[Interval]) -> tuple[int, np.ndarray]:
+    """`delta` as (first step, bytes it adds at each step from there)."""
+    lo = min(a for a, _, _ in delta)
+    hi = max(b for _, b, _ in delta)
+    local = np.zeros(hi - lo + 2, dtype=np.int64)
+    for a, b, v in delta:
+        local[a - lo] += v
+        local[b + 1 - lo] -= v
+    return lo, np.cumsum(local[:-1])
+
+
+def repair(tl: Timeline, target: int, frozen: frozenset[int] = frozenset(), shrink: bool = True) -> bool:
+    """Lower the peak to `target` greedily; False if stuck above it (the peak is then the lowest either phase
+    reached).
+
+    At the peak step, apply the change that frees the most of what is still needed there per added second,
+    never lifting another step to the peak (so the peak, or its count of steps, falls every move). Once no
+    such change is left, take changes that shrink the total excess over the target instead (which may lift
+    other steps; that total falls every move)."""
+    while True:
+        t = int(np.argmax(tl.during))
+        peak = int(tl.during[t])
+        if peak <= target:
+            return True
+        if not _lower_peak_step(tl, t, peak, target, frozen):
+            break
+    if not shrink:
+        return False
+    lowest = tl.snapshot()
+    while True:
+        t = int(np.argmax(tl.during))
+        if tl.during[t] <= target:
+            return True
+        if not _shrink_excess(tl, t, target, frozen):
+            break
+    if tl.peak() > int(lowest[3].max()):
+        tl.restore(lowest)  # stuck either way: keep the lower peak
+    return False
+
+
+def _lower_peak_step(tl: Timeline, t: int, peak: int, target: int, frozen: frozenset[int]) -> bool:
+    """Apply the best change (see `repair`) at peak step t; False if there is none."""
+    freed = tl.freed_at(t)
+    added = tl.a_cost - tl.a_cost[np.arange(tl.n), tl.a_decision][:, None]
+    ok = (freed > 0) & np.isfinite(added)
+    if frozen:
+        ok[list(frozen)] = False
+    cand_i, cand_k = np.nonzero(ok)
+    f = freed[cand_i, cand_k]
+    a = added[cand_i, cand_k]
+    score = np.where(a <= _FREE, np.inf, np.minimum(f, peak - target) / np.maximum(a, _FREE))
+    best = None
+    for rank, o in enumerate(np.lexsort((cand_k, cand_i, -f, -score)).tolist()):
+        if rank >= _EXACT_RANKED and best is not None:
+            break
+        move = tl.change(int(cand_i[o]), int(cand_k[o]))
+        exact = -tl.at(move, t)
+        if exact <= 0 or tl.raises_to(move) >= peak:
+            continue
+        key = (math.inf if a[o] <= _FREE else min(exact, peak - target) / a[o], exact, -move.i, -move.k)
+        if best is None or key > best[0]:
+            best = (key, move)
+    if best is None:
+        return False
+    tl.apply(best[1])
+    return True
+
+
+def _shrink_excess(tl: Timeline, t: int, target: int, frozen: frozenset[int]) -> bool:
+    """Apply the change lowering step t that most lowers the total excess over `target` per added second;
+    False if none lowers it."""
+    best = None
+    # Those that may lower t: by the screen, or through recomputed inputs (the screen follows one level).
+    chained = np.zeros(tl.n, dtype=bool)
+    if len(tl.edge_input):
+        chained[tl.edge_consumer[tl.a_decision[tl.edge_input] == RECOMPUTE_]] = True
+    for i in np.flatnonzero((tl.freed_at(t) > 0).any(axis=1) | chained).tolist():
+        if i in frozen:
+            continue
+        now = tl.decision[i]
+        for k in range(3):
+            if k == now or tl.cost[i][k] == math.inf:
+                continue
+            move = tl.change(i, k)
+            if tl.at(move, t) >= 0:
+                continue
+            lo, local = tl.effect(move)
+            old = tl.during[lo : lo + len(local)]
+            gain = int(np.maximum(old - target, 0).sum() - np.maximum(old + local - target, 0).sum())
+            if gain <= 0:
+                continue
+            added = tl.cost[i][k] - tl.cost[i][now]
+            score = math.inf if added <= _FREE else gain / added
+            if best is None or score > best[0]:
+                best = (score, move)
+    if best is None:
+        return False
+    tl.apply(best[1])
+    return True
+
+
+def clean_up(
+    tl: Timeline,
+    target: int,
+    frozen: frozenset[int] = frozenset(),
+    among: np.ndarray | None = None,
+    per_byte: bool = False,
+) -> None:
+    """Revert decisions, costliest first (per byte, with `per_byte`), to cheaper ones while the peak stays
+    within `target` (only those of the candidates in `among`, when given).
+
+    Back to SAVE fills the candidate's gap, and nothing it lets go of lies inside that gap: so the gap's
+    highest step plus its bytes over `target` rules the revert out, and is screened for all at once."""
+    lo, hi = _gaps(tl)
+    fits_saved = _range_max(tl.during, lo, hi) + tl.a_nbytes <= target
+    chosen = (tl.a_decision != SAVE_) if among is None else (tl.a_decision != SAVE_) & among
+    now_cost = tl.a_cost[np.arange(tl.n), tl.a_decision]
+    # Worth a look: SAVE may fit, or a cheaper decision other than SAVE exists.
+    other = np.where(tl.a_decision == RECOMPUTE_, tl.a_cost[:, OFFLOAD_], tl.a_cost[:, RECOMPUTE_]) < now_cost
+    look = np.flatnonzero(chosen & (fits_saved | other))
+    weight = now_cost / tl.a_nbytes if per_byte else now_cost
+    for i in sorted(look.tolist(), key=lambda i: -weight[i]):
+        now = tl.decision[i]
+        if now == SAVE_ or i in frozen:
+            continue
+        for k in sorted((k for k in range(3) if tl.cost[i][k] < tl.cost[i][now]), key=lambda k: tl.cost[i][k]):
+            if k == SAVE_:
+                a, b = int(lo[i]), int(hi[i])
+                if b > a and int(tl.during[a:b].max()) + tl.nbytes[i] > target:
+                    continue
+                if not any(tl.decision[j] == RECOMPUTE_ for j in tl.inputs[i]):
+                    tl.set(i, k)  # nothing but the gap changes upwards: it fits
+                    break
+            move = tl.change(i, k)
+            if tl.raises_to(move) <= target:
+                tl.apply(move)
+                break
+
+
+def _gaps(tl: Timeline) -> tuple[np.ndarray, np.ndarray]:
+    """[lo, hi) per candidate: the steps where its decision keeps it out of memory (empty for SAVE)."""
+    decision = tl.a_decision
+    lo = np.where(decision == RECOMPUTE_, tl.a_forward_end + 1, np.where(decision == OFFLOAD_, tl.a_free + 1, 0))
+    hi = np.where(decision == RECOMPUTE_, tl.a_made, np.where(decision == OFFLOAD_, tl.a_reload, 0))
+    return lo, np.maximum(hi, lo)
+
+
+def _range_max(values: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """max(values[lo:hi]) for each pair (min int64 where empty), by a sparse table."""
+    table = [values]
+    while 2 ** len(table) <= len(values):
+        prev, width = table[-1], 2 ** (len(table) - 1)
+        table.append(np.maximum(prev[:-width], prev[width:]))
+    length = hi - lo
+    empty = length <= 0
+    level = np.where(empty, 0, np.floor(np.log2(np.maximum(length, 1)))).astype(np.int64)
+    out = np.full(len(lo), np.iinfo(np.int64).min, dtype=np.int64)
+    for k in np.unique(level[~empty]).tolist():
+        rows = np.flatnonzero(~empty & (level == k))
+        out[rows] = np.maximum(table[k][lo[rows]], table[k][hi[rows] - 2**k])
+    return out
+
+
+def _gap_touches(tl: Timeline, steps: np.ndarray) -> np.ndarray:
+    """bool [n]: candidates whose gap holds one of `steps` (bool per step)."""
+    count = np.concatenate(([0], np.cumsum(steps)))
+    lo, hi = _gaps(tl)
+    return (tl.a_decision != SAVE_) & (count[hi] > count[lo])
+
+
+def _price_search(tl: Timeline, target: int, consider: Callable[[list[int]], tuple[int, float]], upper: float) -> None:
+    """Candidate plans from Lagrangian prices on the steps, each handed to `consider` (which repairs it and
+    returns its (peak, seconds)). Under prices λ (seconds per byte at a step) each candidate takes the
+    decision minimising its seconds plus the priced bytes it keeps alive (remade at its own first backward
+    use); λ follows subgradient steps on the bytes over `target` (Polyak steps towards `upper`, the best
+    fitting plan's seconds)."""
+    n, steps = tl.n, len(tl.base)
+    # Each decision's stretches, padded to three: start, end, bytes [n, 3 decisions, 3 stretches].
+    start = np.zeros((n, 3, 3), dtype=np.int64)
+    end = np.zeros((n, 3, 3), dtype=np.int64)
+    size = np.zeros((n, 3, 3))
+    for i in range(n):
+        for k in range(3):
+            if tl.cost[i][k] < math.inf:
+                stretches = tl.intervals(i, k, tl.first_backward[i])
+                if k == RECOMPUTE_:
+                    step = tl.first_backward[i]
+                    stretches.append((step, step, tl._extra(step, tl.transient[i])))
+                for j, (a, b, v) in enumerate(stretches):
+                    start[i, k, j], end[i, k, j], size[i, k, j] = a, b + 1, v
+    room = (target - tl.base).astype(np.float64)
+    price = np.zeros(steps)
+    theta, best_bound, stale, tried = 2.0, -math.inf, 0, 0
+    seen: set[tuple[int, ...]] = set()
+    for _ in range(_PRICE_ROUNDS):
+        cumulative = np.concatenate(([0.0], np.cumsum(price)))
+        value = tl.a_cost + (size * (cumulative[end] - cumulative[start])).sum(axis=2)
+        choice = np.argmin(value, axis=1)
+        bound = float(value[np.arange(n), choice].sum() - price @ room)
+        if bound > best_bound * (1 + 1e-9):
+            best_bound, stale = bound, 0
+        else:
+            stale += 1
+            if stale >= _PRICE_PATIENCE:
+                theta, stale = theta / 2, 0
+        decision = choice.tolist()
+        tl.reset(decision)
+        over = (tl.during - target).astype(np.float64)
+        key = tuple(decision)
+        if key not in seen and tried < _PRICE_PLANS and tl.work < _PRICE_WORK:
+            seen.add(key)
+            tried += 1
+            peak, seconds = consider(decision)
+            if peak <= target:
+                upper = min(upper, seconds)
+        over[(price <= 0) & (over < 0)] = 0.0
+        norm = float(over @ over)
+        if norm == 0.0:
+            break
+        gap = (upper if math.isfinite(upper) else 2 * abs(bound) + 1e-6) - bound
+        price = np.maximum(0.0, price + theta * max(gap, 1e-12) / norm * over)
+
+
+def improve(tl: Timeline, target: int) -> None:
+    """Local search until no move helps (or the work allowance is spent). Drop: revert a decision, costliest
+    first, and repair the plan without it. Add: make a change. Each followed by a clean-up (both orders);
+    kept when faster."""
+    while tl.work < _SEARCH_WORK:
+        gained = False
+        tries = [
+            (i, k)
+            for i in sorted(range(tl.n), key=lambda i: -tl.cost[i][tl.decision[i]])
+            for k in range(3)
+            if tl.decision[i] != SAVE_ and tl.cost[i][k] < tl.cost[i][tl.decision[i]]
+        ]
+        tries += [
+            (i, k)
+            for i in range(tl.n)
+            for k in (RECOMPUTE_, OFFLOAD_)
+            if k != tl.decision[i] and tl.cost[i][k] < math.inf
+        ]
+        for i, k in tries:
+            if tl.work >= _SEARCH_WORK:
+                return
+            if k == tl.decision[i]:
+                continue
+            before = tl.snapshot()
+            tl.set(i, k)
+            frozen = frozenset((i,))
+            if repair(tl, target, frozen):
+                # The plan was clean before: only where memory fell can a decision now be reverted.
+                among = _gap_touches(tl, tl.during < before[3])
+                repaired = tl.snapshot()
+                better = False
+                for per_byte in (False, True):
+                    if per_byte:
+                        tl.restore(repaired)
+                    clean_up(tl, target, frozen, among=among, per_byte=per_byte)
+                    better = tl.seconds < before[2] * (1 - 1e-12) - _FREE
+                    if better:
+                        break
+                if better:
+                    gained = True
+                    continue
+            tl.restore(before)
+        if not gained:
+            return
+
+
+def _lowest_peak(tl: Timeline, plan: list[int], floor: int) -> list[int]:
+    """Push the peak of `plan` down by bisection on a target between `floor` (no plan goes below it) and its
+    peak: repair towards each target from the lowest plan so far."""
+    tl.reset(plan)
+    low, high = floor, tl.peak()
+    for _ in range(_PEAK_PROBES):
+        if high - low <= max(1, high // 10_000):
+            break
+        target = (low + high) // 2
+        tl.reset(plan)
+        if not repair(tl, target):
+            low = target
+        if tl.peak() < high:
+            plan, high = list(tl.decision), tl.peak()
+    return plan
+
+
+def _better(a: tuple[int, float], b: tuple[int, float], budget: int) -> bool:
+    """Whether a plan with (peak, seconds) `a` beats `b`: fitting first, then faster; else the lower peak."""
+    a_fits, b_fits = a[0] <= budget, b[0] <= budget
+    if a_fits != b_fits:
+        return a_fits
+    return a[1] < b[1] if a_fits else a < b
+
+
+def solve_fast(problem: MemoryProblem, budget_bytes: int) -> Solution:
+    """A fast plan whose peak fits `budget_bytes`, or, if the heuristics cannot fit it, the lowest peak they
+    reach (feasible=False)."""
+    started = time.perf_counter()
+    budget = int(budget_bytes)
+    tl = Timeline(problem)
+    if not tl.n or tl.peak() <= budget:  # all-SAVE fits, or nothing to decide
+        return measured_solution(problem, tl.decisions(), budget, "fast", time.perf_counter() - started)
+    best: list = []  # [(peak, seconds), decisions]
+
+    def consider(start: list[int]) -> tuple[int, float]:
+        """Repair `start`, clean it up both ways, keep the better as `best` if it is; its (peak, seconds)."""
+        tl.reset(start)
+        target = budget if repair(tl, budget) else tl.peak()
+        repaired = tl.snapshot()
+        results = []
+        for per_byte in (False, True):
+            tl.restore(repaired)
+            clean_up(tl, target, per_byte=per_byte)
+            results.append(((tl.peak(), tl.seconds), list(tl.decision)))
+        score, plan = min(results, key=lambda r: (r[0][0] > max(budget, target), r[0][1]))
+        if not best or _better(score, best[0], budget):
+            best[:] = [score, plan]
+        return score
+
+    consider([SAVE_] * tl.n)
+    # Everything out of memory that can be (recomputed, else offloaded), then the clean-up keeps what pays.
+    out_of_memory = [
+        RECOMPUTE_ if tl.cost[i][RECOMPUTE_] < math.inf else OFFLOAD_ if tl.cost[i][OFFLOAD_] < math.inf else SAVE_
+        for i in range(tl.n)
+    ]
+    consider(out_of_memory)
+    _price_search(tl, budget, consider, best[0][1] if best[0][0] <= budget else math.inf)
+    if best[0][0] > budget:
+        # Nothing fitted: push for the lowest peak, whatever the budget (it may turn out to fit after all).
+        floor = int(tl.base.max())  # no plan goes below the base bytes
+        lowest = None
+        for start, shrink in ((best[1], False), (best[1], True), ([SAVE_] * tl.n, True), (out_of_memory, True)):
+            tl.reset(start)
+            if shrink:
+                repair(tl, 0)  # stuck, it ends by shrinking all bytes over time: a low start
+            plan = _lowest_peak(tl, list(tl.decision), floor)
+            tl.reset(plan)
+            if lowest is None or tl.peak() < lowest[0]:
+                lowest = (tl.peak(), plan)
+        tl.reset(lowest[1])
+        clean_up(tl, max(budget, tl.peak()))
+    else:
+        tl.reset(best[1])
+    improve(tl, max(budget, tl.peak()))
+    return measured_solution(problem, tl.decisions(), budget, "fast", time.perf_counter() - started)

@@ -1,0 +1,42 @@
+"""What a solver returns, measured with the one peak formula (`plan_memory`) and time model (`plan_seconds`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from dpcs_compiler.cost.memory_model import MemoryProblem, plan_memory, plan_seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class Solution:
+    """One decision per candidate, with the peak and added time `plan_memory` / `plan_seconds` give for it.
+
+    feasible: the peak fits the budget. When no plan fits, solvers return the lowest peak they reach.
+    """
+
+    decisions: tuple[str, ...]
+    peak_bytes: int
+    added_seconds: float
+    budget_bytes: int
+    feasible: bool
+    solver: str
+    solve_seconds: float
+
+
+def measured_solution(
+    problem: MemoryProblem, decisions: Sequence[str], budget_bytes: int, solver: str, solve_seconds: float
+) -> Solution:
+    """A `Solution` for `decisions`, its peak and time always recomputed with the memory model (never a
+    solver's own formulation)."""
+    decisions = tuple(decisions)
+    peak = plan_memory(problem, decisions).peak_bytes
+    return Solution(
+        decisions=decisions,
+        peak_bytes=peak,
+        added_seconds=plan_seconds(problem, decisions),
+        budget_bytes=int(budget_bytes),
+        feasible=peak <= budget_bytes,
+        solver=solver,
+        solve_seconds=solve_seconds,
+    )

@@ -1,0 +1,141 @@
+"""The fast solver: its incremental timeline against `plan_memory`, its answers, and its speed."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import numpy as np
+import pytest
+
+from dpcs_compiler.cost.memory_model import OFFLOAD, RECOMPUTE, MemoryProblem, plan_memory, plan_seconds
+from dpcs_compiler.solve import solve_fast
+from dpcs_compiler.solve.fast import Timeline
+from dpcs_compiler.solve.synthetic import random_problem
+
+
+def lifted_before(problem: MemoryProblem, seed: int) -> MemoryProblem:
+    """The same problem with the bytes alive before some steps above those during them."""
+    rng = np.random.default_rng(seed)
+    lift = (rng.random(problem.steps) < 0.3) * rng.integers(0, 8 << 20, problem.steps)
+    return dataclasses.replace(problem, base_before_bytes=problem.base_bytes + lift)
+
+
+def random_edits(timeline: Timeline, rng: np.random.Generator, count: int):
+    """Yield after each of `count` random allowed single-candidate edits."""
+    for _ in range(count):
+        i = int(rng.integers(timeline.n))
+        k = int(rng.choice([k for k in range(3) if timeline.cost[i][k] < np.inf]))
+        timeline.set(i, k)
+        yield
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_timeline_equals_plan_memory_under_edits(seed: int) -> None:
+    problem = random_problem(seed, steps=150, candidates=30, transient_fraction=0.5, can_offload=seed % 3 != 2)
+    if seed % 2:
+        problem = lifted_before(problem, seed)
+    timeline = Timeline(problem)
+    rng = np.random.default_rng(seed)
+    for _ in random_edits(timeline, rng, 250):
+        expected = plan_memory(problem, timeline.decisions())
+        np.testing.assert_array_equal(timeline.during, expected.bytes_during)
+        assert timeline.seconds == pytest.approx(plan_seconds(problem, timeline.decisions()), rel=1e-12, abs=1e-18)
+    fresh = Timeline(problem)
+    fresh.reset(list(timeline.decision))
+    np.testing.assert_array_equal(fresh.during, timeline.during)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_move_effect_is_what_applying_it_does(seed: int) -> None:
+    problem = lifted_before(random_problem(seed, steps=150, candidates=30, transient_fraction=0.5), seed)
+    timeline = Timeline(problem)
+    rng = np.random.default_rng(seed)
+    for _ in random_edits(timeline, rng, 60):
+        i = int(rng.integers(timeline.n))
+        for k in range(3):
+            if timeline.cost[i][k] == np.inf:
+                continue
+            move = timeline.change(i, k)
+            lo, local = timeline.effect(move)
+            highest = timeline.raises_to(move)
+            before = timeline.during.copy()
+            state = timeline.snapshot()
+            timeline.apply(move)
+            after = before.copy()
+            after[lo : lo + len(local)] += local
+            np.testing.assert_array_equal(timeline.during, after)
+            raised = timeline.during > before
+            assert highest == (int(timeline.during[raised].max()) if raised.any() else np.iinfo(np.int64).min)
+            timeline.restore(state)
+            np.testing.assert_array_equal(timeline.during, before)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_screen_is_exact_without_chains(seed: int) -> None:
+    base = random_problem(seed, steps=150, candidates=30, transient_fraction=0.5)
+    if seed % 2:
+        base = lifted_before(base, seed)
+    candidates = tuple(dataclasses.replace(c, recompute_inputs=()) for c in base.candidates)
+    problem = dataclasses.replace(base, candidates=candidates)
+    timeline = Timeline(problem)
+    rng = np.random.default_rng(seed)
+    for _ in random_edits(timeline, rng, 40):
+        t = int(rng.integers(problem.steps))
+        freed = timeline.freed_at(t)
+        for i in range(timeline.n):
+            for k in range(3):
+                if timeline.cost[i][k] < np.inf:
+                    assert freed[i, k] == -timeline.at(timeline.change(i, k), t), (i, k, t)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_fast_fits_and_is_measured(seed: int) -> None:
+    problem = random_problem(seed, steps=300, candidates=50, can_offload=seed % 2 == 0, random_op_fraction=0.3)
+    saved = plan_memory(problem, problem.all_saved()).peak_bytes
+    budget = int(problem.base_bytes.max() + 0.6 * (saved - problem.base_bytes.max()))
+    solution = solve_fast(problem, budget)
+    assert solution.solver == "fast" and solution.feasible
+    assert solution.peak_bytes == plan_memory(problem, solution.decisions).peak_bytes <= budget
+    assert solution.added_seconds == plan_seconds(problem, solution.decisions)
+    for c, decision in zip(problem.candidates, solution.decisions):
+        assert decision != RECOMPUTE or c.can_recompute
+        assert decision != OFFLOAD or c.can_offload
+
+
+def test_fast_unreachable_budget_lowers_the_peak() -> None:
+    problem = random_problem(11, steps=300, candidates=50, can_offload=False)
+    saved = plan_memory(problem, problem.all_saved()).peak_bytes
+    solution = solve_fast(problem, 0)
+    assert not solution.feasible
+    assert solution.peak_bytes == plan_memory(problem, solution.decisions).peak_bytes
+    floor = int(problem.base_bytes.max())
+    assert solution.peak_bytes < floor + 0.5 * (saved - floor)
+
+
+def test_fast_all_saved_when_it_fits() -> None:
+    problem = random_problem(12, steps=100, candidates=15)
+    solution = solve_fast(problem, plan_memory(problem, problem.all_saved()).peak_bytes)
+    assert solution.decisions == problem.all_saved() and solution.feasible
+
+
+def test_fast_is_deterministic() -> None:
+    problem = random_problem(13, steps=400, candidates=80, can_offload=False)
+    budget = int(0.75 * plan_memory(problem, problem.all_saved()).peak_bytes)
+    assert solve_fast(problem, budget).decisions == solve_fast(problem, budget).decisions
+
+
+@pytest.mark.parametrize("can_offload", [False, True])
+def test_fast_takes_under_a_second_on_2500_steps_and_400_candidates(can_offload: bool) -> None:
+    problem = random_problem(0, steps=2500, candidates=400, can_offload=can_offload)
+    saved = plan_memory(problem, problem.all_saved()).peak_bytes
+    floor = int(problem.base_bytes.max())
+    budget = floor + (saved - floor) // 2
+    times = []
+    for _ in range(3):
+        started = time.perf_counter()
+        solution = solve_fast(problem, budget)
+        times.append(time.perf_counter() - started)
+    assert solution.feasible
+    assert statistics.median(times) < 1.0, times
