@@ -96,7 +96,8 @@ class GraphJob:
             dumper = GraphDumper(new_graph_folder(options.dump_dir, name))
             record.dump_dir = str(dumper.folder)
             instruments.append(dumper)
-        plan = Plan(graph=name, options_fingerprint=options.fingerprint())
+        partitioner = "min_cut" if options.memory_budget is None else "dpcs_plan"  # fixed for the compile key
+        plan = Plan(graph=name, options_fingerprint=options.fingerprint(), partitioner=partitioner)
         ctx = PassContext(plan=plan, analyses=AnalysisCache(), instruments=instruments)
         add_record(record)
         parameters = tuple(i for i, x in enumerate(example_inputs) if isinstance(x, torch.nn.Parameter))
@@ -261,8 +262,16 @@ def plan_memory_budget(job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: in
         budget = resolve_budget(options.memory_budget, device, planning.resident_bytes)
     with ctx.instrumented("plan", "solve"):
         from dpcs_compiler.solve import solve
+        from dpcs_compiler.solve.solution import measured_solution
 
-        solution = solve(problem, budget)
+        # A graph whose backward reads nothing of the forward has nothing to decide.
+        solution = solve(problem, budget) if problem.candidates else measured_solution(problem, (), budget, "none", 0.0)
+    if has_symbolic_shapes(joint):
+        warnings.warn(
+            f"dpcs planned {job.record.graph} for its traced sizes, but its shapes are dynamic: the plan is not "
+            "re-made for other sizes, so larger inputs can exceed memory_budget (compile with dynamic=False)",
+            stacklevel=2,
+        )
     decisions = solution.decisions
     values = tuple(
         ValueDecision(
@@ -277,7 +286,6 @@ def plan_memory_budget(job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: in
     peak_step = plan_memory(problem, decisions).peak_step
     ctx.plan = dataclasses.replace(
         job.plan.with_values(values),
-        partitioner="dpcs_plan",
         budget_bytes=budget,
         hardware=profile.device_key,
         predicted_peak_bytes=solution.peak_bytes,
@@ -312,12 +320,11 @@ def plan_memory_budget(job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: in
 
 
 def graph_device(gm: fx.GraphModule) -> torch.device:
-    """The device of the graph's tensor inputs (one device per graph)."""
-    devices = {
-        v.device
-        for n in gm.graph.find_nodes(op="placeholder")
-        if isinstance(v := n.meta.get("val"), torch.Tensor)
-    }
+    """The device of the graph's tensor inputs (one per graph; 0-dim CPU tensors, such as a step count,
+    may come along)."""
+    values = [v for n in gm.graph.find_nodes(op="placeholder") if isinstance(v := n.meta.get("val"), torch.Tensor)]
+    devices = {v.device for v in values if v.dim() > 0 or v.device.type != "cpu"}  # CPU scalars ride along
+    devices = devices or {v.device for v in values}
     if len(devices) != 1:
         raise ValueError(f"memory planning needs one device per graph, found {sorted(map(str, devices))}")
     return devices.pop()
@@ -381,7 +388,14 @@ class PartCompiler:
 
         kind = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"
         gm = self.prepare(kind, gm)
-        return compile_fx_inner(gm, example_inputs, *args, **kwargs)
+        if self.job.options.memory_budget is None or kind == "inference":
+            return compile_fx_inner(gm, example_inputs, *args, **kwargs)
+        # Inductor's buffer pool keeps a dead buffer allocated until a later one of the same size takes it
+        # over, which can hold memory across the peak the plan was made for (measured: +8% on a 2-layer GPT
+        # with two recomputed MLP inputs). In-place reuse of dying inputs stays on; on CUDA the caching
+        # allocator reuses freed memory anyway.
+        with torch._inductor.config.patch(allow_buffer_reuse=False):
+            return compile_fx_inner(gm, example_inputs, *args, **kwargs)
 
     def eager(self, kind: str) -> Callable:
         from torch._dynamo.backends.debugging import boxed_nop
@@ -401,10 +415,7 @@ def aot_compile(
 ) -> Callable:
     """AOTAutograd with dpcs's partitioner and part compiler, then the chosen final compiler.
 
-    Under a memory budget Inductor's buffer pool is off: it keeps a dead buffer allocated until a later
-    buffer of the same size takes it over, which can hold memory across the peak the plan was made for
-    (measured: +8% on a 2-layer GPT with two recomputed MLP inputs). Its in-place reuse of dying inputs
-    stays on, and on CUDA the caching allocator reuses freed memory anyway.
+    Under a memory budget Inductor's buffer pool is off for the training graphs (`PartCompiler`).
     """
     with torch._functorch.config.patch(enable_autograd_cache=False, enable_remote_autograd_cache=False):
         if options.compiler == "inductor":
@@ -415,8 +426,6 @@ def aot_compile(
                 "fx_graph_cache": False,
                 "fx_graph_remote_cache": False,
             }
-            if options.memory_budget is not None:
-                config_patches["allow_buffer_reuse"] = False
             return compile_fx(gm, example_inputs, inner_compile=part_compiler.inductor_inner, config_patches=config_patches)
         from torch._dynamo.backends.common import aot_autograd
         from torch._inductor.decomposition import select_decomp_table

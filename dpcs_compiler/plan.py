@@ -4,9 +4,11 @@ Rewrites read their decisions from the plan only. Without a memory budget the pa
 min-cut and the plan records its outcome (which forward values are saved for backward); with one, the
 memory planner writes a SAVE / RECOMPUTE / OFFLOAD decision for every candidate, the budget in bytes and
 the hardware profile it was costed with. `compile_key` hashes the inputs the plan is derived from
-(options, including the budget; partitioner; dpcs's own source) and is the partitioner's uuid in
-Inductor's cache keys, so a graph compiled for one budget is never handed back for another; `plan_hash`
-also covers the decisions themselves.
+(options, including the budget as given; partitioner; dpcs's own source) and is the partitioner's uuid in
+Inductor's cache keys, so a graph compiled for one budget option is never handed back for another. It
+does not cover what a budget resolves to ("auto", a fraction) on a device, nor the hardware profile: the
+FX-graph and AOTAutograd caches therefore stay off for dpcs graphs (pipeline.aot_compile). `plan_hash`
+covers the resolved budget, the hardware key and the decisions.
 """
 
 from __future__ import annotations

@@ -117,7 +117,7 @@ class MemoryProblem:
         """Copy time not hidden behind compute (offload and reload each), under the prefetch chosen."""
         c = self.candidates[index]
         reload_window = self._starts[c.first_backward_use] - self._starts[self.reload_step(index)]
-        offload_window = self._starts[c.first_backward_use] - self._starts[c.produced + 1]
+        offload_window = self._starts[self.backward_start] - self._starts[c.produced + 1]  # forward waits at its end
         return max(0.0, c.transfer_seconds - reload_window) + max(0.0, c.transfer_seconds - offload_window)
 
 

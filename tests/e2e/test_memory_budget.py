@@ -128,3 +128,33 @@ def test_inductor_plan_within_budget_and_prediction():
     assert record.plan_feasible and record.recomputed_values > 0
     assert result.measured_peak_bytes <= budget, (result, record)
     assert abs(result.relative_error) <= 0.05, (result, record)
+
+
+def test_a_graph_whose_backward_computes_nothing_compiles_under_a_budget():
+    """Gradients that are just the tangents (x + y): no candidates, nothing to decide, no failure."""
+    x, y = torch.randn(8, requires_grad=True), torch.randn(8, requires_grad=True)
+    compiled = dpcs_compile(lambda a, b: a + b, "eager", memory_budget="1GiB")
+    compiled(x, y).sum().backward()
+    torch.testing.assert_close(x.grad, torch.ones(8))
+    (record,) = compile_records()
+    assert record.plan_feasible and record.recomputed_values == 0
+
+
+@pytest.mark.inductor
+def test_inference_under_a_budget_keeps_inductors_buffer_pool(monkeypatch):
+    """The budget plans training graphs; an inference graph compiles as without it."""
+    import torch._inductor.compile_fx as compile_fx_module
+
+    seen = []
+    real = compile_fx_module.compile_fx_inner
+
+    def spy(gm, example_inputs, *args, **kwargs):
+        seen.append((bool(kwargs.get("is_inference")), torch._inductor.config.allow_buffer_reuse))
+        return real(gm, example_inputs, *args, **kwargs)
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx_inner", spy)
+    model = torch.nn.Linear(4, 4)
+    compiled = dpcs_compile(model, "inductor", memory_budget="1GiB")
+    with torch.no_grad():
+        compiled(torch.randn(2, 4))
+    assert seen == [(True, True)]

@@ -190,7 +190,7 @@ def planning_graph(schedule: Schedule, analyses: Any | None = None) -> PlanningG
     position = {n: i for i, n in enumerate(schedule.nodes)}
     backward_start = schedule.first_backward_index
     if backward_start is None:
-        raise ValueError("planning needs a joint graph with a backward")
+        backward_start = len(schedule.nodes)  # no backward compute (gradients are the tangents): no candidates
     resident = set(schedule.resident)
 
     referrers: dict[Buffer, list[fx.Node]] = {}

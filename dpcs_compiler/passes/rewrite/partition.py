@@ -56,7 +56,9 @@ def tag_joint(planning: PlanningGraph, decisions: Sequence[str]) -> None:
     if clash:
         raise ValueError(f"plan both saves and recomputes {sorted(n.name for n in clash)}")
     for node in schedule.nodes:
-        node.meta.pop("recompute", None)
+        # A user's torch.utils.checkpoint regions would make torch's cleanup re-tag plan decisions.
+        for key in ("recompute", "ac_graph_id", "has_backward_hook"):
+            node.meta.pop(key, None)
     for node in recompute:
         node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
         node.meta["dpcs"] = {"pass": PASS_NAME, "decision": RECOMPUTE}
@@ -80,7 +82,30 @@ def partition_by_plan(
     # (checked above), so the values reproduce without that plumbing.
     with unittest.mock.patch.object(partitioners, "has_recomputable_rng_ops", lambda gm: False):
         forward, backward = default_partition(joint, joint_inputs, **{k: v for k, v in kwargs.items() if k in accepted})
+    check_partition(forward, backward, planning, decisions, kwargs["num_fwd_outputs"])
     return forward, backward
+
+
+def check_partition(
+    forward: fx.GraphModule,
+    backward: fx.GraphModule,
+    planning: PlanningGraph,
+    decisions: Sequence[str],
+    num_user_outputs: int,
+) -> None:
+    """The partition carried out the plan: what it saves for backward is what the plan keeps, and nothing
+    the plan recomputes crosses; else the memory model would not describe these graphs (ValueError)."""
+    saved = set(saved_names(forward, num_user_outputs))
+    recomputed = {c.holder.name for c, d in zip(planning.candidates, decisions) if d == RECOMPUTE}
+    kept = {c.holder.name for c, d in zip(planning.candidates, decisions) if d in (SAVE, OFFLOAD)}
+    crossing = sorted(saved & recomputed)
+    remade = {n.name for n in backward.graph.nodes if n.op not in ("placeholder", "output")}
+    missing = sorted(kept & remade)
+    if crossing or missing:
+        raise ValueError(
+            f"the partition does not follow the plan: saves {crossing} the plan recomputes, recomputes {missing} "
+            "the plan saves"
+        )
 
 
 def saved_names(forward: fx.GraphModule, num_user_outputs: int) -> list[str]:

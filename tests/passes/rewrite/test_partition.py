@@ -128,3 +128,25 @@ def test_plan_model_equals_the_simulation_of_the_partitioned_graphs(seed):
 def test_a_decision_count_mismatch_is_an_error():
     with pytest.raises(ValueError, match="decisions for"):
         planned_partition(mlp_step, mlp_inputs(), (1, 2, 3), lambda p: (SAVE,))
+
+
+def test_a_plan_that_recomputes_a_random_value_is_refused():
+    def step(x, w):
+        return torch.nn.functional.dropout(torch.relu(x @ w), p=0.5, training=True).sum()
+
+    def recompute_everything(problem):
+        return (RECOMPUTE,) * len(problem.candidates)  # ignores can_recompute on purpose
+
+    with pytest.raises(ValueError, match="recomputes random values"):
+        planned_partition(step, (torch.randn(64, 32), torch.randn(32, 32, requires_grad=True)), (1,), recompute_everything)
+
+
+def test_user_checkpoint_regions_do_not_override_the_plan():
+    """torch's cleanup turns a recomputed node into a saved one when AC region ids say so; the plan's tags
+    replace the user's, and the partition is checked against the plan."""
+
+    def step(x, w0, w1, w2):
+        return torch.utils.checkpoint.checkpoint(mlp_step, x, w0, w1, w2, use_reentrant=False)
+
+    out = planned_partition(step, mlp_inputs(), (1, 2, 3), lambda p: (SAVE,) * len(p.candidates))
+    assert {"relu", "tanh"} <= set(saved_names(out["forward"], out["num_fwd_outputs"]))
