@@ -20,6 +20,12 @@ from dpcs_compiler.passes.analysis.tensor_bytes import is_view
 aten = torch.ops.aten
 # Ops Inductor lowers as pointwise loads with indirect indexing: they fuse like pointwise ops.
 INDEXED_LOADS = {aten.gather.default, aten.index.Tensor, aten.embedding.default}
+# Ops without the pointwise tag that Inductor also lowers as pointwise computations: constant fills, and
+# scatters into a slice (a `where` over the index), e.g. the backward of slicing logits for a shifted loss.
+POINTWISE_LOWERINGS = {
+    aten.full.default, aten.zeros.default, aten.ones.default, aten.full_like.default, aten.zeros_like.default,
+    aten.ones_like.default, aten.slice_scatter.default, aten.select_scatter.default,
+}
 
 
 def _tagged(node: fx.Node, tag: torch.Tag) -> bool:
@@ -27,7 +33,9 @@ def _tagged(node: fx.Node, tag: torch.Tag) -> bool:
 
 
 def is_pointwise(node: fx.Node) -> bool:
-    return _tagged(node, torch.Tag.pointwise) or (node.op == "call_function" and node.target in INDEXED_LOADS)
+    return _tagged(node, torch.Tag.pointwise) or (
+        node.op == "call_function" and (node.target in INDEXED_LOADS or node.target in POINTWISE_LOWERINGS)
+    )
 
 
 def _readers(node: fx.Node) -> list[fx.Node]:

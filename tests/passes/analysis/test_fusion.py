@@ -73,3 +73,13 @@ def test_realize_reads_threshold_is_read_from_the_inductor_config():
 )
 def test_gather_and_embedding_fuse_as_indexed_loads(fn, fused):
     assert fused_names(fn, torch.randn(8, 8), torch.randint(0, 8, (8, 8))) == fused
+
+
+def test_fills_and_slice_scatters_are_lowered_as_pointwise():
+    """The backward of slicing (zeros, then a scatter into a slice) runs as one pointwise kernel."""
+
+    def slice_backward(grad, w):
+        zeros = torch.ops.aten.full.default([8, 8], 0.0, dtype=torch.float32, layout=torch.strided, device="cpu")
+        return (torch.ops.aten.slice_scatter.default(zeros, grad[:, :4], 1, 0, 4).exp(),)
+
+    assert fused_names(slice_backward, torch.randn(8, 8), torch.randn(8, 8)) == ["full", "slice_scatter"]
