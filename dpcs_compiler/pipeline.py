@@ -40,7 +40,12 @@ from dpcs_compiler.cost.op_time import node_seconds, transfer_seconds
 from dpcs_compiler.debug.render import format_bytes
 from dpcs_compiler.options import DpcsOptions
 from dpcs_compiler.passes.analysis import NodeCost, Schedule, liveness, memory_timeline, op_cost
-from dpcs_compiler.passes.analysis.planning import PlanningGraph, planning_graph, planning_schedule
+from dpcs_compiler.passes.analysis.planning import (
+    RUNTIME_ALLOWANCE_BYTES,
+    PlanningGraph,
+    planning_graph,
+    planning_schedule,
+)
 from dpcs_compiler.passes.rewrite.partition import partition_by_plan
 from dpcs_compiler.passes.analysis.fusion import inductor_fusion
 from dpcs_compiler.passes.analysis.memory_timeline import MemoryTimeline
@@ -225,6 +230,13 @@ class JointPartitioner(CustomPartitionerFn):
             job.record.partition_peak_bytes = timeline.peak_bytes
             job.record.predicted_peak_bytes = job.plan.predicted_peak_bytes
             job.record.peak_node = job.plan.peak_node
+            checked = timeline.peak_bytes + RUNTIME_ALLOWANCE_BYTES
+            if job.plan.feasible and checked > job.plan.budget_bytes:
+                warnings.warn(
+                    f"dpcs plan for {job.record.graph} fits memory_budget {job.plan.budget_bytes} B by the plan model, "
+                    f"but its partitioned graphs simulate to {checked} B: the measured peak may exceed the budget",
+                    stacklevel=2,
+                )
         job.finish()
         log.info(
             "%s: saved %d values (%d B), predicted peak %d B at %s",
