@@ -382,6 +382,26 @@ def targets(model: str, results: dict[str, dict]) -> dict[str, Any]:
             "fallback": fallback,
             "step_time_holds": not slower_than and not fallback,
         }
+    # The reading, pairwise: for each upstream strategy, dpcs at the budget of its measured peak
+    # must measure an equal or lower peak and an equal or lower step time.
+    per_upstream = {}
+    for name, r in dpcs.items():
+        source = r.get("budget_source") or ""
+        if not source.startswith("peak of "):
+            continue
+        for u in source[len("peak of "):].split(", "):
+            if u in upstream:
+                ur = upstream[u]
+                per_upstream[u] = {
+                    "dpcs": name,
+                    "upstream_peak_bytes": ur["peak_bytes"],
+                    "upstream_step_s": ur["step_s"],
+                    "dpcs_peak_bytes": r["peak_bytes"],
+                    "dpcs_step_s": r["step_s"],
+                    "time_ratio": r["step_s"] / ur["step_s"],
+                    "holds": r["peak_bytes"] <= ur["peak_bytes"] and r["step_s"] <= ur["step_s"]
+                    and not r.get("fallback"),
+                }
     upstream_peaks = [r["peak_bytes"] for r in upstream.values()]
     dpcs_peaks = [r["peak_bytes"] for r in dpcs.values() if not r.get("fallback")]
     lowest = {
@@ -393,6 +413,8 @@ def targets(model: str, results: dict[str, dict]) -> dict[str, Any]:
     return {
         "per_budget": per_budget,
         "step_time_holds": all(b["step_time_holds"] for b in per_budget.values()) if per_budget else None,
+        "per_upstream": per_upstream,
+        "pairwise_holds": all(p["holds"] for p in per_upstream.values()) if per_upstream else None,
         "lowest_peak": lowest,
     }
 
@@ -452,6 +474,14 @@ def print_tables(payload: dict[str, Any], console) -> None:
                           highlight=False)
         if not t["per_budget"]:
             console.print("  target step time: no dpcs point ran", highlight=False)
+        for u, p in t.get("per_upstream", {}).items():
+            verdict = "[green]holds[/green]" if p["holds"] else "[red]fails[/red]"
+            console.print(
+                f"  pairwise vs {u}: {_mib(p['upstream_peak_bytes'])} MiB / {p['upstream_step_s'] * 1e3:.1f} ms, "
+                f"{p['dpcs']}: {_mib(p['dpcs_peak_bytes'])} MiB / {p['dpcs_step_s'] * 1e3:.1f} ms "
+                f"({p['time_ratio']:.2f}x): {verdict}",
+                highlight=False,
+            )
         low = t["lowest_peak"]
         tag = "target" if low["required"] else "info"
         console.print(f"  {tag} lowest peak: dpcs {_mib(low['dpcs_min_peak_bytes'])} MiB vs upstream "

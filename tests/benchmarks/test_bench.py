@@ -223,3 +223,19 @@ def test_cli_other_commands_still_reject_unknown_arguments(capsys):
         cli.main(["show", "somewhere", "--bogus"])
     assert exit.value.code == 2
     assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_pairwise_targets_compare_dpcs_with_the_strategy_whose_peak_is_its_budget(bench):
+    results = {
+        "compile": _result("upstream", 90 * MiB, 0.08),
+        "eager_ac": _result("upstream", 60 * MiB, 0.13),
+        "dpcs@90MiB": {**_result("dpcs", 88 * MiB, 0.09, 90 * MiB), "budget_source": "peak of compile"},
+        "dpcs@60MiB": {**_result("dpcs", 59 * MiB, 0.11, 60 * MiB), "budget_source": "peak of eager_ac"},
+        "dpcs@51MiB": {**_result("dpcs", 50 * MiB, 0.12, 51 * MiB), "budget_source": "0.85 x lowest upstream peak"},
+    }
+    t = bench.targets("gpt", results)
+    assert set(t["per_upstream"]) == {"compile", "eager_ac"}
+    assert t["per_upstream"]["compile"]["holds"] is False  # lower peak but slower
+    assert t["per_upstream"]["compile"]["time_ratio"] == pytest.approx(0.09 / 0.08)
+    assert t["per_upstream"]["eager_ac"]["holds"] is True
+    assert t["pairwise_holds"] is False
