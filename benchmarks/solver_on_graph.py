@@ -35,23 +35,21 @@ def capture_problem(layers: int):
         captured["joint_nodes"] = len(schedule.graphs[0].graph.nodes)
         return captured["planning"]
 
-    real_solve = __import__("dpcs_compiler.solve", fromlist=["solve"]).solve
+    real_solve = pipeline.solve
 
     def keep_problem(problem, budget):
         captured["problem"] = problem
         return real_solve(problem, budget, method="fast")
 
     pipeline.planning_graph = capture
-    import dpcs_compiler.solve as solve_module
-
-    solve_module.solve = keep_problem
+    pipeline.solve = keep_problem
     try:
         w = workload("gpt", 2, layers=layers)
         compiled = torch.compile(w.model, backend="dpcs", options={"compiler": "eager", "memory_budget": 2**40})
         w.loss_fn(compiled(*w.inputs)).backward()
     finally:
         pipeline.planning_graph = original
-        solve_module.solve = real_solve
+        pipeline.solve = real_solve
     return captured["problem"], captured["joint_nodes"]
 
 

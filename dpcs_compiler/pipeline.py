@@ -46,12 +46,15 @@ from dpcs_compiler.passes.analysis.planning import (
     planning_graph,
     planning_schedule,
 )
-from dpcs_compiler.passes.rewrite.partition import partition_by_plan
 from dpcs_compiler.passes.analysis.fusion import inductor_fusion
 from dpcs_compiler.passes.analysis.memory_timeline import MemoryTimeline
 from dpcs_compiler.passes.infra import AnalysisCache, PassContext, PassTimer, Rewrite, run_rewrites
+from dpcs_compiler.passes.rewrite.offload import insert_offloads
+from dpcs_compiler.passes.rewrite.partition import partition_by_plan
 from dpcs_compiler.plan import Plan, ValueDecision
 from dpcs_compiler.report import CompileRecord, add_record
+from dpcs_compiler.solve import solve
+from dpcs_compiler.solve.solution import measured_solution
 
 log = logging.getLogger("dpcs.pipeline")
 
@@ -195,8 +198,6 @@ class JointPartitioner(CustomPartitionerFn):
                 forward, backward = partition_by_plan(joint, joint_inputs, planning, decisions, **kwargs)
                 offloaded = job.plan.decided(OFFLOAD)
                 if offloaded:
-                    from dpcs_compiler.passes.rewrite.offload import insert_offloads
-
                     insert_offloads(
                         forward,
                         backward,
@@ -273,9 +274,6 @@ def plan_memory_budget(job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: in
         problem = planning.memory_problem(seconds, transfer)
         budget = resolve_budget(options.memory_budget, device, planning.resident_bytes)
     with ctx.instrumented("plan", "solve"):
-        from dpcs_compiler.solve import solve
-        from dpcs_compiler.solve.solution import measured_solution
-
         # A graph whose backward reads nothing of the forward has nothing to decide.
         solution = solve(problem, budget) if problem.candidates else measured_solution(problem, (), budget, "none", 0.0)
     if has_symbolic_shapes(joint):

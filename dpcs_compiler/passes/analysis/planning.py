@@ -164,7 +164,6 @@ def is_random(node: fx.Node) -> bool:
 def _closure_peak(nodes: Sequence[fx.Node], buffer: Buffer, live: Liveness) -> int:
     """The most bytes a re-run of `nodes` (in order) holds at once besides `buffer`: each intermediate lives
     from its node to the last node of the re-run that reads it."""
-    position = {n: i for i, n in enumerate(nodes)}
     last_read: dict[Buffer, int] = {}
     for i, node in enumerate(nodes):
         for arg in node.all_input_nodes:
@@ -223,14 +222,14 @@ def planning_graph(schedule: Schedule, analyses: Any | None = None) -> PlanningG
     index_of_holder = {holder: i for i, (_, holder, *_rest) in enumerate(chosen)}
     candidates = []
     for b, holder, last_forward_use, first_backward_use, last_use in chosen:
-        nodes, inputs, transient, random = _recompute_closure(b, holder, live, schedule, index_of_holder)
+        nodes, inputs, transient, random = _recompute_closure(b, holder, live, resident, position, index_of_holder)
         candidates.append(
             CandidateNodes(
                 buffer=b,
                 holder=holder,
                 nbytes=live.hint(b),
                 produced=live.buffers[b].start,
-                last_forward_use=max(last_forward_use, live.buffers[b].start),
+                last_forward_use=last_forward_use,
                 first_backward_use=first_backward_use,
                 last_use=last_use,
                 recompute_nodes=nodes,
@@ -255,11 +254,11 @@ def _recompute_closure(
     buffer: Buffer,
     holder: fx.Node,
     live: Liveness,
-    schedule: Schedule,
+    resident: set[fx.Node],
+    position: dict[fx.Node, int],
     index_of_holder: dict[fx.Node, int],
 ) -> tuple[tuple[fx.Node, ...], tuple[int, ...], int, bool]:
     """Nodes to re-run to make `buffer` again, the candidates they read, their other bytes, randomness."""
-    resident = set(schedule.resident)
     seen: set[fx.Node] = set()
     nodes: list[fx.Node] = []
     inputs: set[int] = set()
@@ -277,8 +276,7 @@ def _recompute_closure(
                 inputs.add(index_of_holder[arg])
                 continue
             stack.append(arg)
-    order = {n: i for i, n in enumerate(schedule.nodes)}
-    ordered = tuple(sorted(nodes, key=lambda n: order.get(n, -1)))
+    ordered = tuple(sorted(nodes, key=lambda n: position.get(n, -1)))
     transient = _closure_peak(ordered, buffer, live)
     own = index_of_holder.get(holder)
     return ordered, tuple(sorted(i for i in inputs if i != own)), transient, any(is_random(n) for n in nodes)

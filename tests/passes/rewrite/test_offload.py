@@ -48,9 +48,8 @@ class Step:
     backward: fx.GraphModule
 
 
-def train_step(fn: Callable, inputs: Sequence[torch.Tensor], choose: Chooser | None = None) -> Step:
-    """One training step of fn through aot_function; `choose(fw, bw)` gives insert_offloads' arguments."""
-    captured: dict[str, fx.GraphModule] = {}
+def offloading_partition(choose: Chooser | None, captured: dict[str, fx.GraphModule]) -> Callable:
+    """default_partition, then insert_offloads with `choose(fw, bw)`'s arguments; keeps the graphs in `captured`."""
 
     def partition(joint, joint_inputs, **kwargs):
         forward, backward = default_partition(joint, joint_inputs, **kwargs)
@@ -58,6 +57,14 @@ def train_step(fn: Callable, inputs: Sequence[torch.Tensor], choose: Chooser | N
             insert_offloads(forward, backward, **choose(forward, backward))
         captured.update(forward=forward, backward=backward)
         return forward, backward
+
+    return partition
+
+
+def train_step(fn: Callable, inputs: Sequence[torch.Tensor], choose: Chooser | None = None) -> Step:
+    """One training step of fn through aot_function; `choose(fw, bw)` gives insert_offloads' arguments."""
+    captured: dict[str, fx.GraphModule] = {}
+    partition = offloading_partition(choose, captured)
 
     def keep(gm, example_inputs):
         return make_boxed_func(gm)
@@ -477,13 +484,7 @@ def cuda_step(choose: Chooser | None, inputs: Sequence[torch.Tensor]) -> tuple[S
     """A compiled training step on CUDA: its results, the device bytes held between forward and backward,
     and the peak, both above what was allocated before the step (the second run; the first warms up)."""
     captured: dict[str, fx.GraphModule] = {}
-
-    def partition(joint, joint_inputs, **kwargs):
-        forward, backward = default_partition(joint, joint_inputs, **kwargs)
-        if choose is not None:
-            insert_offloads(forward, backward, **choose(forward, backward))
-        captured.update(forward=forward, backward=backward)
-        return forward, backward
+    partition = offloading_partition(choose, captured)
 
     def keep(gm, example_inputs):
         return make_boxed_func(gm)

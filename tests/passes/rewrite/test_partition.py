@@ -32,8 +32,8 @@ def mlp_step(x, w0, w1, w2):
     return (h @ w2).sum()
 
 
-def planned_partition(fn, inputs, parameter_indices, choose):
-    """Trace `fn`, plan with `choose(problem) -> decisions`, partition by the plan."""
+def planned_partition(fn, inputs, parameter_indices, choose, trace=None):
+    """Trace `fn` (or run `trace(partition)`), plan with `choose(problem) -> decisions`, partition by the plan."""
     out = {}
 
     def partition(joint, joint_inputs, **kwargs):
@@ -56,7 +56,10 @@ def planned_partition(fn, inputs, parameter_indices, choose):
         )
         return forward, backward
 
-    trace_training(fn, *inputs, partition=partition)
+    if trace is None:
+        trace_training(fn, *inputs, partition=partition)
+    else:
+        trace(partition)
     return out
 
 
@@ -97,27 +100,10 @@ def test_plan_model_equals_the_simulation_of_the_partitioned_graphs(seed):
     def choose(problem):
         return tuple(RECOMPUTE if c.can_recompute and rng.random() < share else SAVE for c in problem.candidates)
 
-    captured = {}
+    def trace(partition):
+        trace_module_training(w.model, w.inputs, w.loss_fn, partition=partition)
 
-    def partition(joint, joint_inputs, **kwargs):
-        nonlocal captured
-        cache = AnalysisCache()
-        parameters = range(len(names))
-        schedule = planning_schedule(
-            joint, num_fwd_outputs=kwargs["num_fwd_outputs"], parameter_indices=parameters, compiler="eager",
-            analyses=cache,
-        )
-        planning = cache.get(planning_graph, schedule)
-        problem = planning.memory_problem(lambda node: 1e-6)
-        decisions = choose(problem)
-        forward, backward = partition_by_plan(joint, joint_inputs, planning, decisions, **kwargs)
-        step = Schedule.of_partition(
-            forward, backward, num_user_outputs=kwargs["num_fwd_outputs"], parameter_indices=parameters
-        )
-        captured = {"predicted": plan_memory(problem, decisions).peak_bytes, "simulated": memory_timeline(step).peak_bytes}
-        return forward, backward
-
-    trace_module_training(w.model, w.inputs, w.loss_fn, partition=partition)
+    captured = planned_partition(None, (), range(len(names)), choose, trace=trace)
     # Equal but for the other outputs of a recomputed multi-output op (layer-norm statistics, attention's
     # logsumexp): the partition re-makes them with the op, the model each at its own first use (measured:
     # at most 0.22% under, with everything recomputed).
