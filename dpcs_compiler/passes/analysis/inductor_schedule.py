@@ -1,0 +1,306 @@
+"""The peak memory of a graph as Inductor will run it: its fused kernels, in its final order.
+
+dpcs plans on FX graphs in FX order, with a structural model of Inductor's pointwise fusion
+(`fusion.inductor_fusion`). Inductor goes further: it fuses kernels that share inputs even when they sit
+apart in the order (a recomputation in backward with a later pointwise backward op reading the same saved
+value), and a fused kernel allocates all its outputs when it runs. A buffer can so be made long before the
+FX order makes it, and be alive across a peak the plan was made for (measured: +17% on a Llama-style
+model on CPU). This module reads the schedule Inductor generates code for, through the scheduler hook that
+runs right after fusion, and simulates its live bytes the way the generated code allocates and frees:
+
+- the order Inductor's peak-memory reordering will pick (`memory.reorder_for_peak_memory`, called on the
+  same nodes: deterministic);
+- Inductor's buffer sizes and last uses (`memory.compute_memory_timeline`);
+- the C++ backend's kernel groups: consecutive C++ kernels are one function, all of whose outputs are
+  allocated before it runs and whose dead buffers are freed after (`kernel_groups`);
+- buffers made and last read inside one fused kernel, which are never allocated (`kernel_local_buffers`);
+- in-place reuse of dying buffers (`in_place_reuses`, Inductor's own rules);
+- graph inputs: resident ones (parameters and user inputs) are never freed, others (a backward's saved
+  values and tangents) are freed after their last read.
+
+Inductor's own estimate has none of the last four; with them the simulated peak equals the measured one on
+the test graphs and the benchmark models (`tests/passes/analysis/test_inductor_schedule.py`). The figure
+used is the increase above the graph's start, `peak_bytes - start_bytes`, the start counting the inputs
+alive before the graph is called (the saved activations of a backward).
+
+The hook is a private Inductor interface (`config._post_fusion_custom_pass`, "prototype stage" in torch's
+words); a torch without it makes `probe_available()` False and callers say so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+from collections.abc import Iterator, Sequence
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledPeak:
+    """Live bytes of one Inductor graph over its kernels, in the order it runs them."""
+
+    kernels: int
+    start_bytes: int  # non-resident inputs alive when the graph starts
+    peak_bytes: int  # the most bytes alive while a kernel runs (its outputs made, its last-read inputs not yet freed)
+    end_bytes: int  # alive after the last kernel: the graph's outputs (and inputs never read)
+    peak_kernel: str | None  # the scheduler node at the peak (Inductor's buffer names)
+
+    @property
+    def increase_bytes(self) -> int:
+        """The peak above the graph's start."""
+        return self.peak_bytes - self.start_bytes
+
+    @property
+    def leaves_bytes(self) -> int:
+        """What the graph leaves alive above its start (a forward's saved values and outputs)."""
+        return self.end_bytes - self.start_bytes
+
+
+def probe_available() -> bool:
+    """True if this torch's Inductor has the post-fusion scheduler hook the probe needs."""
+    return hasattr(torch._inductor.config, "_post_fusion_custom_pass")
+
+
+def scheduled_peak(
+    nodes: Sequence, *, resident: frozenset[str] | None, present: frozenset[str] | None
+) -> ScheduledPeak:
+    """Simulate Inductor's fused scheduler nodes (called inside its scheduler, after fusion).
+
+    resident: graph input names never freed (not counted: they are alive before and after the graph), or
+    None for every input; present: non-resident input names alive before the graph starts (the start
+    level), or None for all of them. Other inputs (a backward's tangents, made for the call) are counted
+    from the start too, but above the start level.
+    """
+    from torch._inductor import memory
+    from torch._inductor.virtualized import V
+    from torch.utils._ordered_set import OrderedSet
+
+    nodes = list(nodes)
+    if not nodes:
+        return ScheduledPeak(0, 0, 0, 0, None)
+    scheduler = nodes[0].scheduler
+    graph_inputs = OrderedSet(V.graph.graph_inputs.keys())
+    graph_outputs = OrderedSet(V.graph.get_output_names())
+    if torch._inductor.config.reorder_for_peak_memory:
+        # The order Inductor will pick: its reordering is a deterministic function of the fused nodes.
+        order = memory.reorder_for_peak_memory(
+            list(nodes), scheduler.name_to_buf, scheduler.name_to_fused_node, graph_inputs, graph_outputs
+        )
+    else:
+        order = nodes
+    memory.prepare_planning_info(order, scheduler.name_to_buf, scheduler.name_to_fused_node, graph_inputs, graph_outputs)
+    freeable = _input_buffers(order, graph_inputs, resident)
+    infos, step_of, _ = memory.compute_memory_timeline(order, freeable, graph_outputs)
+    first, last = kernel_groups(order)
+    removed = kernel_local_buffers(order, graph_outputs)
+    infos = [info for info in infos if info.buffer.get_name() not in removed]
+    delta = [0] * (len(order) + 1)
+    for info in infos:
+        delta[first[info.start_step]] += info.size_alloc
+        if info.end_step != -1:
+            delta[last[info.end_step] + 1] -= info.size_free
+    by_name = {info.buffer.get_name(): info for info in infos}
+    for output, taken in in_place_reuses(order, step_of, graph_inputs, graph_outputs).items():
+        if output in by_name and taken in by_name:
+            # The output is written over the dying input: nothing is allocated, the input's bytes live on.
+            out, old = by_name[output], by_name[taken]
+            delta[first[out.start_step]] -= out.size_alloc
+            delta[last[old.end_step] + 1] += old.size_free
+            if out.end_step != -1:
+                delta[last[out.end_step] + 1] += out.size_free - old.size_free
+    levels = list(itertools.accumulate(delta))
+    at = max(range(len(order)), key=levels.__getitem__)
+    start = sum(buf.mpi_buffer.size_free for name, buf in freeable.items() if present is None or name in present)
+    return ScheduledPeak(len(order), start, levels[at], levels[-1], order[at].get_name())
+
+
+def _input_buffers(order: Sequence, graph_inputs, resident: frozenset[str] | None) -> dict:
+    """The graph's inputs that are not resident, as buffers freed after their last read.
+
+    Inductor's own list (`memory.get_freeable_input_buf`) leaves out inputs named like primals, tangents or
+    `arg*`, whatever they hold; here residency is what the caller says: a backward's tangents are made
+    for the call and freed after their last read, like its saved values.
+    """
+    from torch._inductor.dependencies import WeakDep
+    from torch._inductor.memory import FreeableInputBuffer, MemoryPlanningInfoForBuffer
+    from torch._inductor.virtualized import V
+    from torch.utils._ordered_set import OrderedSet
+
+    if resident is None:
+        return {}
+    readers: dict[str, OrderedSet] = {}
+    ordering: dict[str, OrderedSet] = {}
+    sizes: dict[str, int] = {}
+    for node in order:
+        for dep in node.read_writes.reads:
+            if dep.name in graph_inputs and dep.name not in resident:
+                ordering.setdefault(dep.name, OrderedSet()).add(node)
+                readers.setdefault(dep.name, OrderedSet())
+                sizes[dep.name] = V.graph.get_dep_size_hint(dep)
+                if not (isinstance(dep, WeakDep) and dep.is_fake):
+                    readers[dep.name].add(node)
+    return {
+        name: FreeableInputBuffer(
+            name,
+            MemoryPlanningInfoForBuffer(size_free=sizes[name], succ_nodes=readers[name], succ_nodes_for_ordering=ordering[name]),
+        )
+        for name in ordering
+        if readers[name]  # read only through ordering-only deps: never alive as far as memory goes
+    }
+
+
+def kernel_local_buffers(order: Sequence, graph_outputs) -> set[str]:
+    """Buffers made and last read inside one fused kernel: Inductor keeps them in registers or a local
+    buffer and never allocates them (`Kernel.remove_kernel_local_buffers`); its memory estimate counts them."""
+    if not order:
+        return set()
+    scheduler = order[0].scheduler
+    removable = getattr(scheduler, "can_buffer_be_removed_through_fusion", None)
+    if removable is None:
+        return set()
+    removed = set()
+    for node in order:
+        if len(node.get_nodes()) < 2:
+            continue
+        names = node.get_operation_names()
+        for sub in node.get_nodes():
+            if sub.is_reduction():
+                continue  # read by the kernel's later loops: the C++ backend stores it (counted: never less)
+            for buf in sub.get_outputs():
+                name = buf.get_name()
+                if name not in graph_outputs and removable(name, names):
+                    removed.add(name)
+    return removed
+
+
+def kernel_groups(order: Sequence) -> tuple[list[int], list[int]]:
+    """For each node, the first and last step of the kernel that runs it.
+
+    Inductor's C++ backend generates consecutive scheduler nodes into one C++ function, flushed before an
+    extern kernel (a matmul, a fallback op) or a template, and before a change of device: every output
+    of the group is allocated before the call and dead buffers are freed after it. Elsewhere (Triton)
+    each node is its own kernel. (The C++ backend also flushes past 500 kernel arguments; that split is
+    not followed, which only counts a longer group: more memory, never less.)
+    """
+    first, last = list(range(len(order))), list(range(len(order)))
+    start, current = 0, None  # the open group's first step, and its device
+
+    def close(end: int) -> None:
+        for j in range(start, end):
+            first[j], last[j] = start, end - 1
+
+    for i, node in enumerate(order):
+        device = node.get_device()
+        if device is None:
+            continue  # a no-op kernel: it neither flushes nor allocates
+        alone = device.type != "cpu" or node.is_extern() or node.is_template()
+        if alone or device != current:
+            close(i)
+            start, current = i, device
+        if alone:
+            close(i + 1)
+            start, current = i + 1, None
+    close(len(order))
+    return first, last
+
+
+def in_place_reuses(order: Sequence, step_of: dict, graph_inputs, graph_outputs) -> dict[str, str]:
+    """Output buffer -> the dying input buffer Inductor writes it over, in the order given.
+
+    Inductor decides this while generating code (`BaseSchedulerNode.decide_inplace_update`, with
+    `config.inplace_buffers`): a pointwise node's output takes over an input it reads at the same index
+    when that read is the input's last use, the input is an intermediate or a donated graph input (a
+    backward's saved values), and the sizes match. This follows those rules; its own memory estimate
+    (`torch._inductor.memory`) leaves the reuse out.
+    """
+    from torch._inductor import ir
+    from torch._inductor.codegen.wrapper import can_match_buffer_size
+    from torch._inductor.scheduler import SchedulerNode
+
+    if not torch._inductor.config.inplace_buffers or not order:
+        return {}
+    scheduler = order[0].scheduler
+    donated = getattr(scheduler, "name_to_donated_buffer", {})
+
+    def step(user_node) -> int:
+        fused = scheduler.name_to_fused_node.get(user_node.get_name())
+        return step_of.get(fused, len(order))  # an output node, or one not scheduled: never done
+
+    reuses: dict[str, str] = {}
+    taken: set[str] = set()
+    for i, node in enumerate(order):
+        for sub in node.get_nodes():
+            if not isinstance(sub, SchedulerNode):
+                continue
+            for out in sub.get_outputs():
+                made = out.node
+                if not made.should_allocate() or made.get_inputs_that_alias_output() or made.get_mutation_names():
+                    continue
+                for read in sub.read_writes.reads:
+                    name = read.name
+                    source = donated.get(name) or scheduler.name_to_buf.get(name)
+                    if source is None or name in taken or name in graph_outputs or source.node is None:
+                        continue
+                    if name in graph_inputs and name not in donated:
+                        continue
+                    if isinstance(source.node.get_output_spec(), (ir.NoneLayout, ir.MultiOutputLayout)):
+                        continue
+                    # Users in earlier kernels, and this node's own ancestors, are done.
+                    remaining = [
+                        u for u in source.users if step(u.node) >= i and u.node.get_name() not in sub.ancestors
+                    ]
+                    if (
+                        len(remaining) == 1
+                        and remaining[0].node is sub
+                        and remaining[0].can_inplace
+                        and can_match_buffer_size(source.node, made)
+                    ):
+                        reuses[out.get_name()] = name
+                        taken.add(name)
+                        break
+    return reuses
+
+
+class ScheduledPeakProbe:
+    """A post-fusion scheduler pass that records `scheduled_peak` of each graph it sees, changing nothing.
+
+    It pickles and deep-copies as an inert handle (Inductor copies and may pickle its config).
+    """
+
+    def __init__(
+        self, *, resident: frozenset[str] | None = None, present: frozenset[str] | None = None, chained=None
+    ) -> None:
+        self.resident, self.present, self.chained = resident, present, chained
+        self.peaks: list[ScheduledPeak] = []
+        self.errors: list[str] = []  # readings that failed (an Inductor internal this module does not know)
+
+    def __call__(self, nodes: list) -> list:
+        if self.chained is not None:
+            nodes = self.chained(nodes)
+        try:
+            self.peaks.append(scheduled_peak(nodes, resident=self.resident, present=self.present))
+        except Exception as error:  # noqa: BLE001 - a failed reading is reported by the caller, not fatal here
+            self.errors.append(f"{type(error).__name__}: {error}")
+        return nodes
+
+    def __deepcopy__(self, memo: dict) -> ScheduledPeakProbe:
+        return self
+
+    def __reduce__(self):
+        return (ScheduledPeakProbe, (), {"resident": self.resident, "present": self.present, "chained": None, "peaks": [], "errors": []})
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
+
+@contextlib.contextmanager
+def probe_scheduled_peak(
+    *, resident: frozenset[str] | None = None, present: frozenset[str] | None = None
+) -> Iterator[ScheduledPeakProbe]:
+    """Within the block, every graph Inductor schedules is measured; the probe holds the results."""
+    config = torch._inductor.config
+    probe = ScheduledPeakProbe(resident=resident, present=present, chained=config._post_fusion_custom_pass)
+    with config.patch(_post_fusion_custom_pass=probe):
+        yield probe

@@ -1,0 +1,137 @@
+"""The peak memory of a graph as Inductor schedules it, checked against the measured peak of its run."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from dpcs_compiler.measure import measure_peak_memory
+from dpcs_compiler.passes.analysis.inductor_schedule import (
+    ScheduledPeakProbe,
+    kernel_groups,
+    probe_available,
+    probe_scheduled_peak,
+)
+
+N = 256  # one float32 [N, N] buffer: 256 KiB
+
+
+def compiled_and_probed(fn, *inputs):
+    """Compile `fn` with Inductor (no autograd), run it once; its probe result and its measured peak."""
+    compiled = torch.compile(fn, backend="inductor", dynamic=False)
+    # A cached graph skips the scheduler the probe hooks into: compile afresh.
+    with probe_scheduled_peak() as probe, torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True):
+        compiled(*inputs)  # compiles here, inside the probe
+    assert len(probe.peaks) == 1
+    with torch.no_grad():
+        _, measured = measure_peak_memory(compiled, *inputs)
+    return probe.peaks[0], measured.peak_increase_bytes
+
+
+def kernel_group_then_matmul(x, w):
+    # relu writes over the matmul's dying output in place; cos is computed inside the last kernel.
+    a, b = x.sin(), x.cos()
+    return (torch.mm(a, w).relu() + b).sum(dim=0)
+
+
+def sibling_outputs_and_reduction(x, w):
+    y = torch.mm(x, w)
+    return y.softmax(dim=-1), (y * 2).mean(dim=0)
+
+
+def reduction_then_independent_kernel(x, w):
+    t = torch.mm(x, w)  # an extern kernel's output, last read by the sum
+    return t.sum(dim=1), x.cos()  # two C++ kernels of one group: cos's output exists while t does
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("fn", [kernel_group_then_matmul, sibling_outputs_and_reduction, reduction_then_independent_kernel])
+def test_scheduled_peak_is_the_measured_peak(fn):
+    assert probe_available()
+    x, w = torch.randn(N, N), torch.randn(N, N)
+    scheduled, measured = compiled_and_probed(fn, x, w)
+    assert scheduled.start_bytes == 0  # every input is resident
+    assert abs(scheduled.peak_bytes - measured) <= 64, (scheduled, measured)
+
+
+@pytest.mark.inductor
+def test_a_kernel_group_allocates_all_its_outputs_before_it_runs():
+    x, w = torch.randn(N, N), torch.randn(N, N)
+    scheduled, measured = compiled_and_probed(reduction_then_independent_kernel, x, w)
+    buffer = N * N * 4
+    # Kernel by kernel, t would be freed before cos's output is made (one buffer at a time); the C++
+    # backend runs the sum and the cos as one function, allocating before and freeing after it.
+    assert measured == pytest.approx(2 * buffer, abs=4096)
+    assert scheduled.peak_bytes == pytest.approx(measured, abs=64)
+
+
+@pytest.mark.inductor
+def test_present_inputs_count_from_the_start_and_are_freed_at_their_last_use():
+    def fn(x, w):
+        return torch.mm(x.sin(), w)
+
+    x, w = torch.randn(N, N), torch.randn(N, N)
+    peaks = {}
+    for name, resident in (("resident", None), ("present", frozenset())):
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, backend="inductor", dynamic=False)
+        with probe_scheduled_peak(resident=resident) as probe, torch.no_grad(), torch._inductor.config.patch(
+            force_disable_caches=True
+        ):
+            compiled(x, w)
+        (peaks[name],) = probe.peaks
+    buffer = N * N * 4
+    # Resident inputs are not counted: sin's output, then the matmul's.
+    assert (peaks["resident"].start_bytes, peaks["resident"].peak_bytes) == (0, 2 * buffer)
+    # Present inputs start counted; x is freed after sin reads it, so the matmul adds w, sin, its output.
+    assert (peaks["present"].start_bytes, peaks["present"].peak_bytes) == (2 * buffer, 3 * buffer)
+    assert peaks["present"].increase_bytes == buffer
+
+
+def node(device: str | None, extern: bool = False):
+    return types.SimpleNamespace(
+        get_device=lambda: torch.device(device) if device else None,
+        is_extern=lambda: extern,
+        is_template=lambda: False,
+    )
+
+
+def test_kernel_groups_follow_the_cpp_backends_flushes():
+    order = [node("cpu"), node("cpu"), node("cpu", extern=True), node("cpu"), node(None), node("cpu")]
+    first, last = kernel_groups(order)
+    # [0, 1] one C++ function; the matmul alone; [3, 4, 5] one function (a node without a device,
+    # a no-op, does not flush).
+    assert first == [0, 0, 2, 3, 3, 3]
+    assert last == [1, 1, 2, 5, 5, 5]
+
+
+def test_kernel_groups_on_cuda_are_single_kernels():
+    order = [node("cuda"), node("cuda"), node("cuda", extern=True)]
+    assert kernel_groups(order) == ([0, 1, 2], [0, 1, 2])
+
+
+def test_probe_pickles_and_copies_as_an_inert_handle():
+    import copy
+    import pickle
+
+    probe = ScheduledPeakProbe(resident=frozenset({"a"}), present=frozenset({"b"}), chained=lambda nodes: nodes)
+    probe.peaks.append("x")
+    assert copy.deepcopy(probe) is probe
+    clone = pickle.loads(pickle.dumps(probe))
+    assert clone.resident == {"a"} and clone.present == {"b"} and clone.peaks == [] and clone.chained is None
+
+
+@pytest.mark.inductor
+def test_a_failed_reading_is_kept_not_raised(monkeypatch):
+    import dpcs_compiler.passes.analysis.inductor_schedule as module
+
+    def broken(*args, **kwargs):
+        raise KeyError("an Inductor internal that moved")
+
+    monkeypatch.setattr(module, "scheduled_peak", broken)
+    compiled = torch.compile(lambda x: x.sin() * 2, backend="inductor", dynamic=False)
+    with probe_scheduled_peak() as probe, torch._inductor.config.patch(force_disable_caches=True):
+        torch.testing.assert_close(compiled(torch.ones(4)), torch.ones(4).sin() * 2)
+    assert probe.peaks == [] and probe.errors == ["KeyError: 'an Inductor internal that moved'"]
