@@ -1,0 +1,88 @@
+"""Keep Inductor from fusing kernels across allocations in a planned graph.
+
+Inductor fuses "horizontally" two kernels that read the same inputs, wherever they sit in the order, and
+the fused kernel makes the outputs of both when the earlier one would have run. In a planned backward this
+is common: a recomputed value and a later backward op that reads the same saved inputs (silu(gate) * up,
+recomputed for a weight gradient, and the silu backward). The later kernel's outputs are then alive across
+everything between the two, matmul outputs included, which is memory the plan did not count; torch's own
+guard (`Scheduler.are_long_distant_nodes`, 64 nodes apart) does not catch nodes a few steps apart, and its
+docstring names activation checkpointing as the case it was written for.
+
+`PlannedFusionChoices` is Inductor's heuristics object (`torch._inductor.choices.InductorChoices`, the
+documented hook for out-of-tree heuristics) with one more rule for horizontal fusion: refuse when the later
+kernel makes outputs and any kernel between the two, in Inductor's order before fusion, allocates memory.
+Fusions of neighbours and producer/consumer fusions are left alone. What is lost is the shared read of the
+common inputs (one more pass over them by a pointwise kernel); `PartCompiler.check_schedule` still holds
+the resulting schedule to the budget.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from torch._inductor.choices import InductorChoices
+from torch._inductor.virtualized import V
+
+
+def _size_hint(expr) -> int:
+    sizevars = V.graph.sizevars
+    hint = getattr(sizevars, "optimization_hint", None)  # torch >= 2.12; size_hint before
+    return int(hint(expr, fallback=0) if hint is not None else sizevars.size_hint(expr, fallback=0))
+
+
+def _output_bytes(node) -> int:
+    """Bytes a scheduler node's outputs allocate (size hints; 0 where unknown)."""
+    total = 0
+    for buf in node.get_outputs():
+        made = buf.node
+        if not made.should_allocate():
+            continue
+        try:
+            size = V.graph.get_allocation_storage_size(made)
+        except NotImplementedError:  # a multi-output layout: its parts are allocated by their own nodes
+            continue
+        total += _size_hint(size) * made.get_dtype().itemsize
+    return total
+
+
+class PlannedFusionChoices(InductorChoices):
+    """Inductor's default heuristics, less horizontal fusions across allocations (see module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._allocations: dict[int, tuple[int, list[int]]] = {}  # id(scheduler) -> (node count, bytes per order)
+        self.refused = 0
+
+    def _bytes_by_order(self, scheduler) -> list[int]:
+        key = id(scheduler)
+        cached = self._allocations.get(key)
+        if cached is None:
+            subs = [sub for node in scheduler.nodes for sub in node.get_nodes()]
+            by_order = [0] * (max((s.min_order for s in subs), default=-1) + 1)
+            for sub in subs:
+                by_order[sub.min_order] += _output_bytes(sub)
+            cached = (len(subs), by_order)
+            self._allocations[key] = cached
+        return cached[1]
+
+    def can_fuse_horizontal(self, scheduler, node1, node2, shared_data_score: int) -> bool:
+        if not super().can_fuse_horizontal(scheduler, node1, node2, shared_data_score):
+            return False
+        early, late = (node1, node2) if node1.min_order <= node2.min_order else (node2, node1)
+        if late.min_order <= early.max_order + 1:
+            return True  # neighbours, or interleaved groups: nothing between them
+        by_order = self._bytes_by_order(scheduler)
+        between = sum(by_order[early.max_order + 1 : late.min_order])
+        if between > 0 and _output_bytes(late) > 0:
+            self.refused += 1
+            return False
+        return True
+
+
+@contextlib.contextmanager
+def planned_fusion_choices() -> Iterator[PlannedFusionChoices]:
+    """Within the block, Inductor's scheduler uses `PlannedFusionChoices` on this thread."""
+    choices = PlannedFusionChoices()
+    with V.set_choices_handler(choices):
+        yield choices
