@@ -35,11 +35,11 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from dpcs_compiler.cost.budget import resolve_budget
 from dpcs_compiler.cost.hardware import hardware_profile
-from dpcs_compiler.cost.memory_model import OFFLOAD, RECOMPUTE, SAVE, plan_memory
+from dpcs_compiler.cost.memory_model import OFFLOAD, RECOMPUTE, SAVE, MemoryProblem, plan_memory
 from dpcs_compiler.cost.op_time import node_seconds, transfer_seconds
 from dpcs_compiler.debug.render import format_bytes
 from dpcs_compiler.options import DpcsOptions
-from dpcs_compiler.passes.analysis import NodeCost, Schedule, liveness, memory_timeline, op_cost
+from dpcs_compiler.passes.analysis import FORWARD, NodeCost, Schedule, liveness, memory_timeline, op_cost
 from dpcs_compiler.passes.analysis.planning import (
     RUNTIME_ALLOWANCE_BYTES,
     PlanningGraph,
@@ -47,8 +47,10 @@ from dpcs_compiler.passes.analysis.planning import (
     planning_schedule,
 )
 from dpcs_compiler.passes.analysis.fusion import inductor_fusion
+from dpcs_compiler.passes.analysis.inductor_schedule import ScheduledPeak, probe_available, probe_scheduled_peak
 from dpcs_compiler.passes.analysis.memory_timeline import MemoryTimeline
 from dpcs_compiler.passes.infra import AnalysisCache, PassContext, PassTimer, Rewrite, run_rewrites
+from dpcs_compiler.passes.rewrite.fusion_guard import planned_fusion_choices
 from dpcs_compiler.passes.rewrite.offload import insert_offloads
 from dpcs_compiler.passes.rewrite.partition import partition_by_plan
 from dpcs_compiler.plan import Plan, ValueDecision
@@ -74,7 +76,62 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Dp
     gm = job.rewrite("pre_autograd", gm, PRE_AUTOGRAD_REWRITES)
     partitioner = JointPartitioner(job)  # joint analyses -> plan -> partition -> step analyses
     part_compiler = PartCompiler(job)  # forward / backward rewrites -> final compiler
-    return aot_compile(gm, example_inputs, partitioner, part_compiler, options)
+    while True:
+        job.replanning = True  # a ScheduleOverBudget is caught here, not at a lazily compiled backward's call
+        try:
+            return aot_compile(gm, example_inputs, partitioner, part_compiler, options)
+        except ScheduleOverBudget as over:
+            # The compiled graphs of the plan hold more than the model counted: plan again with that much
+            # less room in each phase (never less than measured before: no oscillation).
+            job.record.replans += 1
+            for kind, excess in over.excess.items():
+                job.schedule_excess[kind] = max(job.schedule_excess[kind], excess)
+            log.info("%s: re-planning, the compiled graphs hold more than planned: %s", job.record.graph, over.excess)
+        finally:
+            job.replanning = False
+
+
+# Plans re-made per graph when the compiled graphs of a plan exceed the budget (`GraphJob.hold_to_budget`).
+MAX_SCHEDULE_REPLANS = 3
+
+
+class ScheduleOverBudget(Exception):
+    """The compiled graphs of a plan hold more than the plan left room for: plan again with less room."""
+
+    def __init__(self, excess: dict[str, int]) -> None:
+        super().__init__(f"the compiled graphs hold more than the plan model: {excess} B per phase")
+        self.excess = excess
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseLevels:
+    """The partitioned step's simulated live bytes at its phase boundaries (FX order, fusion model)."""
+
+    resident: int  # before the forward
+    forward_peak: int
+    after_forward: int  # when the backward starts (saved values, user outputs, resident)
+    backward_peak: int
+
+    @classmethod
+    def of(cls, timeline: MemoryTimeline) -> PhaseLevels:
+        forward = [s for s in timeline.steps if s.phase == FORWARD]
+        backward = [s for s in timeline.steps if s.phase != FORWARD]
+        after = forward[-1].after if forward else timeline.resident_bytes
+        return cls(
+            resident=timeline.resident_bytes,
+            forward_peak=max((s.during for s in forward), default=timeline.resident_bytes),
+            after_forward=after,
+            backward_peak=max((s.during for s in backward), default=after),
+        )
+
+    def increase(self, kind: str) -> int:
+        """The peak of the forward / backward graph above the level at its start."""
+        return self.forward_peak - self.resident if kind == "forward" else self.backward_peak - self.after_forward
+
+    @property
+    def forward_leaves(self) -> int:
+        """Bytes the forward graph leaves alive for the backward and the user (saved values, outputs)."""
+        return self.after_forward - self.resident
 
 
 @dataclasses.dataclass
@@ -86,6 +143,17 @@ class GraphJob:
     ctx: PassContext
     parameter_indices: tuple[int, ...]
     dumper: Any | None = None
+    # Holding the compiled graphs to the budget (`hold_to_budget`): bytes they held beyond the plan model
+    # per phase, as the planner counts them after a re-plan; the planner's problem (before those bytes);
+    # for the current plan, the partitioned step's levels, what its partitioned graphs and Inductor's
+    # schedule hold beyond the model, and each graph's resident and present inputs (Inductor's names).
+    schedule_excess: dict[str, int] = dataclasses.field(default_factory=lambda: {"forward": 0, "backward": 0})
+    problem: MemoryProblem | None = None
+    levels: PhaseLevels | None = None
+    graph_inputs: dict[str, tuple[frozenset[str], frozenset[str]]] = dataclasses.field(default_factory=dict)
+    measured_excess: dict[str, int] = dataclasses.field(default_factory=dict)
+    partition_excess: dict[str, int] = dataclasses.field(default_factory=dict)
+    replanning: bool = False
 
     @classmethod
     def start(cls, gm: fx.GraphModule, example_inputs: Sequence[Any], options: DpcsOptions) -> GraphJob:
@@ -140,6 +208,37 @@ class GraphJob:
         self.record.peak_node = timeline.peak_step.node if timeline.peak_step else None
         if self.dumper is not None:
             self.dumper.write_timeline(name, timeline, title=f"{self.record.graph} {name} (simulated)")
+
+    def hold_to_budget(self, excess: dict[str, int], source: str) -> None:
+        """Count what the compiled graphs hold beyond the plan model, and re-plan if that breaks the budget.
+
+        `excess` holds bytes per phase ("forward", "backward") that `source` (the partitioned graphs, or
+        Inductor's schedule of one of them) holds beyond the model. The prediction becomes the model with
+        those bytes added to that phase's steps (`MemoryProblem.with_schedule_excess`); the solver is held
+        to the same formula when it plans again. If a plan the solver found feasible is over the budget,
+        `ScheduleOverBudget` makes `compile_graph` plan again, at most MAX_SCHEDULE_REPLANS times; after
+        that, on_infeasible decides between an error and a warning.
+        """
+        decisions = tuple(v.decision for v in self.plan.values)
+        memory = plan_memory(self.problem.with_schedule_excess(excess["forward"], excess["backward"]), decisions)
+        self.ctx.plan = dataclasses.replace(self.plan, predicted_peak_bytes=memory.peak_bytes)
+        self.record.predicted_peak_bytes = memory.peak_bytes
+        self.finish()
+        budget = self.plan.budget_bytes
+        if memory.peak_bytes <= budget or not self.plan.feasible:
+            return
+        if self.replanning and self.record.replans < MAX_SCHEDULE_REPLANS:
+            raise ScheduleOverBudget(excess)
+        over = ", ".join(f"{k} {v} B" for k, v in excess.items() if v > 0)
+        message = (
+            f"dpcs plan for {self.record.graph} fits memory_budget {format_bytes(budget)} ({budget} B) by the plan "
+            f"model, but {source} holds more ({over}), for a peak of {format_bytes(memory.peak_bytes)} "
+            f"({memory.peak_bytes} B) after {self.record.replans} re-plans"
+            + ("" if self.replanning else " (compiled lazily, at the first backward: no re-plan possible)")
+        )
+        if self.options.on_infeasible == "error":
+            raise BudgetInfeasibleError(f"{message}; raise the budget, or pass on_infeasible='best' to compile it")
+        warnings.warn(f"{message}; compiling it (on_infeasible='best')", stacklevel=2)
 
     def finish(self) -> None:
         """Write the plan and the summary (again after each stage, so a lazy backward updates them)."""
@@ -227,17 +326,34 @@ class JointPartitioner(CustomPartitionerFn):
         job.record_timeline("step_memory_timeline", timeline)
         if job.options.memory_budget is not None:
             # The reported prediction is the plan's, from the model the solver used (one peak formula); the
-            # partitioned graphs' own simulation is kept as a check.
+            # partitioned graphs' own simulation is kept as a check, and is what Inductor's schedule of each
+            # graph is compared with (`PartCompiler.check_schedule`).
+            job.levels = PhaseLevels.of(timeline)
+            # A backward input is resident when it only points into resident buffers (a parameter, or a
+            # transposed view of one): freeing it frees nothing.
+            received = {p.name: not kept.get(src, ()) for p, src in step.receives.items()}
+            job.graph_inputs = {
+                "forward": (frozenset(p.name for p in step.resident), frozenset()),
+                "backward": (
+                    frozenset(p for p, resident in received.items() if resident),
+                    frozenset(p for p, resident in received.items() if not resident),
+                ),
+            }
             job.record.partition_peak_bytes = timeline.peak_bytes
             job.record.predicted_peak_bytes = job.plan.predicted_peak_bytes
             job.record.peak_node = job.plan.peak_node
-            checked = timeline.peak_bytes + RUNTIME_ALLOWANCE_BYTES
-            if job.plan.feasible and checked > job.plan.budget_bytes:
-                warnings.warn(
-                    f"dpcs plan for {job.record.graph} fits memory_budget {job.plan.budget_bytes} B by the plan model, "
-                    f"but its partitioned graphs simulate to {checked} B: the measured peak may exceed the budget",
-                    stacklevel=2,
-                )
+            # What the partitioned graphs hold beyond the plan model, per phase (a value re-made once for
+            # several recomputations is counted once by the partition, per candidate by the model).
+            decisions = tuple(v.decision for v in job.plan.values)
+            model = plan_memory(job.problem, decisions).bytes_during
+            start = job.problem.backward_start
+            job.partition_excess = {
+                "forward": job.levels.forward_peak + RUNTIME_ALLOWANCE_BYTES - int(model[:start].max(initial=0)),
+                "backward": job.levels.backward_peak + RUNTIME_ALLOWANCE_BYTES - int(model[start:].max(initial=0)),
+            }
+            if job.options.compiler != "inductor" or not probe_available():
+                # These graphs run as they are (or Inductor's schedule cannot be read): hold them to the budget.
+                job.hold_to_budget(dict(job.partition_excess), "its partitioned graphs")
         job.finish()
         log.info(
             "%s: saved %d values (%d B), predicted peak %d B at %s",
@@ -271,7 +387,11 @@ def plan_memory_budget(job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: in
             return node_seconds(costs.get(node, no_cost), value_dtype(node), profile)
 
         transfer = (lambda nbytes: transfer_seconds(nbytes, profile)) if device.type == "cuda" else None
-        problem = planning.memory_problem(seconds, transfer)
+        job.problem = planning.memory_problem(seconds, transfer)
+        job.measured_excess = {}
+        job.record.fusions_refused = 0
+        # Under Inductor, after a re-plan: the bytes its schedule held beyond the model (zero at first).
+        problem = job.problem.with_schedule_excess(job.schedule_excess["forward"], job.schedule_excess["backward"])
         budget = resolve_budget(options.memory_budget, device, planning.resident_bytes)
     with ctx.instrumented("plan", "solve"):
         # A graph whose backward reads nothing of the forward has nothing to decide.
@@ -315,6 +435,11 @@ def plan_memory_budget(job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: in
             f"{decisions.count(SAVE)} values saved, {record.recomputed_values} recomputed and "
             f"{record.offloaded_values} offloaded (+{solution.added_seconds * 1e3:.2f} ms per step estimated)"
         )
+        if any(v > 0 for v in job.schedule_excess.values()):
+            message += (
+                f", counting what the compiled graphs of an earlier plan held beyond the plan model (forward "
+                f"{max(job.schedule_excess['forward'], 0)} B, backward {max(job.schedule_excess['backward'], 0)} B)"
+            )
         if options.on_infeasible == "error":
             raise BudgetInfeasibleError(
                 f"{message}; raise the budget, or pass on_infeasible='best' to compile that plan"
@@ -404,8 +529,55 @@ class PartCompiler:
         # over, which can hold memory across the peak the plan was made for (measured: +8% on a 2-layer GPT
         # with two recomputed MLP inputs). In-place reuse of dying inputs stays on; on CUDA the caching
         # allocator reuses freed memory anyway.
-        with torch._inductor.config.patch(allow_buffer_reuse=False):
-            return compile_fx_inner(gm, example_inputs, *args, **kwargs)
+        with torch._inductor.config.patch(allow_buffer_reuse=False), contextlib.ExitStack() as stack:
+            probe = None
+            guard = stack.enter_context(planned_fusion_choices())
+            if kind in self.job.graph_inputs and probe_available():
+                resident, present = self.job.graph_inputs[kind]
+                probe = stack.enter_context(probe_scheduled_peak(resident=resident, present=present))
+            compiled = compile_fx_inner(gm, example_inputs, *args, **kwargs)
+        self.job.record.fusions_refused += guard.refused
+        if probe is None:
+            # The partitioned graphs were held to the budget instead (`JointPartitioner`).
+            warnings.warn(
+                "this torch's Inductor has no post-fusion scheduler hook (config._post_fusion_custom_pass): dpcs "
+                "holds the partitioned FX graphs to memory_budget, not the schedule Inductor generates",
+                stacklevel=2,
+            )
+        elif probe.errors:
+            message = f"dpcs could not read Inductor's schedule of the {kind} graph of {self.job.record.graph}"
+            if self.job.options.strict:
+                raise RuntimeError(f"{message}: {probe.errors[0]}")
+            warnings.warn(f"{message} ({probe.errors[0]}): holding the partitioned graphs to the budget", stacklevel=2)
+            self.job.hold_to_budget(dict(self.job.partition_excess), "its partitioned graphs")
+        elif probe.peaks:
+            self.check_schedule(kind, max(probe.peaks, key=lambda p: p.kernels))  # the graph itself, not a subgraph
+        else:  # Inductor scheduled nothing (no kernels): the partitioned graph is what runs
+            self.job.hold_to_budget(dict(self.job.partition_excess), "its partitioned graphs")
+        return compiled
+
+    def check_schedule(self, kind: str, scheduled: ScheduledPeak) -> None:
+        """Hold Inductor's schedule of a planned graph to the budget (`GraphJob.hold_to_budget`).
+
+        Inductor fuses kernels across the FX order (a recomputation with a later backward op that reads
+        the same saved value) and a fused kernel makes all its outputs at once, so its schedule can hold
+        more than the plan modelled. The graph's excess over the model is what the partitioned FX graph
+        holds beyond the model in that phase, plus what Inductor's schedule holds beyond the partitioned
+        graph (its peak above the graph's start, against the FX graph's, `PhaseLevels`), plus, for the
+        backward, what the scheduled forward left alive beyond the partitioned one.
+        """
+        job = self.job
+        excess = job.partition_excess[kind] + scheduled.increase_bytes - job.levels.increase(kind)
+        if kind == "forward":
+            # What the forward leaves beyond the model (a value it keeps that the model frees) is alive
+            # throughout the backward too.
+            job.measured_excess["carried"] = scheduled.leaves_bytes - job.levels.forward_leaves
+        else:
+            excess += job.measured_excess.get("carried", 0)
+        setattr(job.record, f"{kind}_schedule_excess_bytes", excess)
+        job.measured_excess[kind] = excess
+        counted = {k: job.measured_excess.get(k, job.schedule_excess[k]) for k in ("forward", "backward")}
+        job.hold_to_budget(counted, f"Inductor's schedule of its {kind} graph")
 
     def eager(self, kind: str) -> Callable:
         from torch._dynamo.backends.debugging import boxed_nop
@@ -427,7 +599,14 @@ def aot_compile(
 
     Under a memory budget Inductor's buffer pool is off for the training graphs (`PartCompiler`).
     """
-    with torch._functorch.config.patch(enable_autograd_cache=False, enable_remote_autograd_cache=False):
+    functorch_patches: dict[str, Any] = {"enable_autograd_cache": False, "enable_remote_autograd_cache": False}
+    if options.compiler == "inductor" and options.memory_budget is not None and hasattr(
+        torch._functorch.config, "force_non_lazy_backward_lowering"
+    ):
+        # The backward compiles now, not at its first call: its schedule is checked against the budget
+        # and a re-plan (`ScheduleOverBudget`) must happen while compiling.
+        functorch_patches["force_non_lazy_backward_lowering"] = True
+    with torch._functorch.config.patch(**functorch_patches):
         if options.compiler == "inductor":
             from torch._inductor.compile_fx import compile_fx
 

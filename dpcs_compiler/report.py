@@ -35,6 +35,12 @@ class CompileRecord:
     offloaded_values: int = 0
     plan_added_seconds: float | None = None  # estimated recompute and exposed copy time per step
     partition_peak_bytes: int | None = None  # the same plan simulated on the partitioned graphs (a check)
+    # Inductor only: bytes its fused schedule of each graph holds beyond the modelled FX order (measured on
+    # the scheduler, >= 0 counts against the budget), and how often the plan was re-made for them.
+    forward_schedule_excess_bytes: int | None = None
+    backward_schedule_excess_bytes: int | None = None
+    replans: int = 0
+    fusions_refused: int = 0  # Inductor horizontal fusions refused across allocations (passes/rewrite/fusion_guard)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

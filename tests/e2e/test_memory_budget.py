@@ -18,7 +18,7 @@ import torch
 from dpcs_testing import COMPILERS, dpcs_compile
 from dpcs_compiler import clear_compile_records, compile_records
 from dpcs_compiler.measure import measure_training_step
-from dpcs_compiler.models import GPTConfig, MiniGPT, workload
+from dpcs_compiler.models import GPTConfig, MiniGPT, bench_workload, workload
 
 LADDER_STEPS = 5
 
@@ -130,6 +130,86 @@ def test_inductor_plan_within_budget_and_prediction():
     assert abs(result.relative_error) <= 0.05, (result, record)
 
 
+@pytest.mark.inductor
+def test_inductor_llama_plans_stay_within_budget_and_predict_the_peak():
+    """A Llama-style block: Inductor's fused schedule of a planned backward (a recomputed SwiGLU product
+    next to its silu backward) is what the plan is held to (`PartCompiler.check_schedule`)."""
+    w = bench_workload("llama", quick=True)
+    low, high = reachable_range(w, "inductor")
+    rows = []
+    for fraction in (0.15, 0.5, 0.85):
+        budget = int(low + fraction * (high - low))
+        result, record = measured_step(w, "inductor", memory_budget=budget)
+        rows.append((budget, record.predicted_peak_bytes, result.measured_peak_bytes, record.plan_feasible,
+                     record.replans, record.backward_schedule_excess_bytes))
+    report = "\n".join(
+        f"budget {b} predicted {p} measured {m} feasible {f} replans {r} backward excess {e}" for b, p, m, f, r, e in rows
+    )
+    for budget, predicted, measured, feasible, _, _ in rows:
+        assert feasible, report
+        assert measured <= budget, report
+        assert abs(predicted - measured) <= 0.05 * measured, report
+
+
+def inflate(monkeypatch, kind: str, extra: int) -> None:
+    """Make the compiled graphs of `kind` hold `extra` bytes more than planned, as Inductor's schedule
+    (Inductor) or the partitioned graphs (eager) would report them."""
+    import dpcs_compiler.pipeline as pipeline
+
+    check = pipeline.PartCompiler.check_schedule
+
+    def inflated_check(self, phase, scheduled):
+        if phase == kind:
+            scheduled = dataclasses.replace(scheduled, peak_bytes=scheduled.peak_bytes + extra)
+        return check(self, phase, scheduled)
+
+    monkeypatch.setattr(pipeline.PartCompiler, "check_schedule", inflated_check)
+    levels = pipeline.PhaseLevels.of
+
+    def inflated_levels(timeline):
+        found = levels(timeline)
+        field = "forward_peak" if kind == "forward" else "backward_peak"
+        return dataclasses.replace(found, **{field: getattr(found, field) + extra})
+
+    monkeypatch.setattr(pipeline.PhaseLevels, "of", staticmethod(inflated_levels))
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_compiled_graphs_over_the_plan_are_planned_again(monkeypatch, compiler):
+    w = gpt_workload()
+    low, high = reachable_range(w, compiler)
+    budget, extra = (low + high) // 2, (high - low) // 4
+    _, plain = measured_step(w, compiler, memory_budget=budget)
+    inflate(monkeypatch, "backward", extra)
+    _, record = measured_step(w, compiler, memory_budget=budget)
+    # The first plan, held to its compiled graphs, is over; the second plans with that much less room.
+    assert plain.replans == 0 and record.replans >= 1
+    assert record.plan_feasible and record.predicted_peak_bytes <= budget
+    assert record.recomputed_values > plain.recomputed_values
+
+
+@pytest.mark.inductor
+def test_compiled_graphs_over_the_plan_after_the_last_replan_error_or_warn(monkeypatch):
+    import dpcs_compiler.pipeline as pipeline
+
+    w = gpt_workload()
+    low, high = reachable_range(w, "inductor")
+    budget = (low + high) // 2
+    inflate(monkeypatch, "backward", (high - low) // 4)
+    monkeypatch.setattr(pipeline, "MAX_SCHEDULE_REPLANS", 0)
+    torch._dynamo.reset()
+    compiled = dpcs_compile(w.model, "inductor", memory_budget=budget)
+    with pytest.raises(Exception, match=r"Inductor's schedule of its backward graph holds more .* after 0 re-plans"):
+        w.loss_fn(compiled(*w.inputs))
+    torch._dynamo.reset()
+    clear_compile_records()
+    compiled = dpcs_compile(w.model, "inductor", memory_budget=budget, on_infeasible="best")
+    with pytest.warns(UserWarning, match=r"Inductor's schedule of its backward graph holds more"):
+        w.loss_fn(compiled(*w.inputs)).backward()
+    (record,) = compile_records()
+    assert record.plan_feasible and record.predicted_peak_bytes > budget
+
+
 def test_a_graph_whose_backward_computes_nothing_compiles_under_a_budget():
     """Gradients that are just the tangents (x + y): no candidates, nothing to decide, no failure."""
     x, y = torch.randn(8, requires_grad=True), torch.randn(8, requires_grad=True)
@@ -158,3 +238,23 @@ def test_inference_under_a_budget_keeps_inductors_buffer_pool(monkeypatch):
     with torch.no_grad():
         compiled(torch.randn(2, 4))
     assert seen == [(True, True)]
+
+
+@pytest.mark.inductor
+def test_an_unreadable_inductor_schedule_falls_back_to_the_partitioned_graphs(monkeypatch):
+    import dpcs_compiler.passes.analysis.inductor_schedule as module
+
+    def broken(*args, **kwargs):
+        raise KeyError("moved")
+
+    monkeypatch.setattr(module, "scheduled_peak", broken)
+    w = gpt_workload()
+    compiled = dpcs_compile(w.model, "inductor", memory_budget="1GiB", strict=False)
+    with pytest.warns(UserWarning, match="could not read Inductor's schedule of the forward graph"):
+        w.loss_fn(compiled(*w.inputs)).backward()
+    (record,) = compile_records()
+    assert record.plan_feasible and record.forward_schedule_excess_bytes is None
+    torch._dynamo.reset()
+    strict = dpcs_compile(w.model, "inductor", memory_budget="1GiB")  # the suite compiles strict
+    with pytest.raises(Exception, match="could not read Inductor's schedule"):
+        w.loss_fn(strict(*w.inputs))
