@@ -33,7 +33,7 @@ import torch.fx as fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
-from dpcs_compiler.cost.budget import resolve_budget
+from dpcs_compiler.cost.budget import WORKSPACE_FRACTION, planning_target, resolve_budget
 from dpcs_compiler.cost.hardware import hardware_profile
 from dpcs_compiler.cost.memory_model import OFFLOAD, RECOMPUTE, SAVE, MemoryProblem, plan_memory
 from dpcs_compiler.cost.op_time import node_seconds, transfer_seconds
@@ -225,15 +225,16 @@ class GraphJob:
         self.record.predicted_peak_bytes = memory.peak_bytes
         self.finish()
         budget = self.plan.budget_bytes
-        if memory.peak_bytes <= budget or not self.plan.feasible:
+        if memory.peak_bytes <= planning_target(budget) or not self.plan.feasible:
             return
         if self.replanning and self.record.replans < MAX_SCHEDULE_REPLANS:
             raise ScheduleOverBudget(excess)
         over = ", ".join(f"{k} {v} B" for k, v in excess.items() if v > 0)
         message = (
-            f"dpcs plan for {self.record.graph} fits memory_budget {format_bytes(budget)} ({budget} B) by the plan "
-            f"model, but {source} holds more ({over}), for a peak of {format_bytes(memory.peak_bytes)} "
-            f"({memory.peak_bytes} B) after {self.record.replans} re-plans"
+            f"dpcs plan for {self.record.graph} fits memory_budget {format_bytes(budget)} ({budget} B, held to "
+            f"{planning_target(budget)} B for kernels' own workspace) by the plan model, but {source} holds more "
+            f"({over}), for a peak of {format_bytes(memory.peak_bytes)} ({memory.peak_bytes} B) after "
+            f"{self.record.replans} re-plans"
             + ("" if self.replanning else " (compiled lazily, at the first backward: no re-plan possible)")
         )
         if self.options.on_infeasible == "error":
@@ -395,7 +396,9 @@ def plan_memory_budget(job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: in
         budget = resolve_budget(options.memory_budget, device, planning.resident_bytes)
     with ctx.instrumented("plan", "solve"):
         # A graph whose backward reads nothing of the forward has nothing to decide.
-        solution = solve(problem, budget) if problem.candidates else measured_solution(problem, (), budget, "none", 0.0)
+        # Plans are held to the budget less an allowance for memory kernels allocate inside themselves.
+        target = planning_target(budget)
+        solution = solve(problem, target) if problem.candidates else measured_solution(problem, (), target, "none", 0.0)
     if has_symbolic_shapes(joint):
         warnings.warn(
             f"dpcs planned {job.record.graph} for its traced sizes, but its shapes are dynamic: the plan is not "
@@ -430,7 +433,8 @@ def plan_memory_budget(job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: in
     job.finish()
     if not solution.feasible:
         message = (
-            f"memory_budget {format_bytes(budget)} ({budget} B) cannot be met for {record.graph}: the smallest peak "
+            f"memory_budget {format_bytes(budget)} ({budget} B; plans are held to {target} B, "
+            f"{WORKSPACE_FRACTION:.2%} less, for kernels' own workspace) cannot be met for {record.graph}: the smallest peak "
             f"dpcs can reach is {format_bytes(solution.peak_bytes)} ({solution.peak_bytes} B), with "
             f"{decisions.count(SAVE)} values saved, {record.recomputed_values} recomputed and "
             f"{record.offloaded_values} offloaded (+{solution.added_seconds * 1e3:.2f} ms per step estimated)"

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 
 import numpy as np
@@ -17,6 +18,7 @@ import torch
 
 from dpcs_testing import COMPILERS, dpcs_compile
 from dpcs_compiler import clear_compile_records, compile_records
+from dpcs_compiler.cost.budget import WORKSPACE_FRACTION
 from dpcs_compiler.measure import measure_training_step
 from dpcs_compiler.models import GPTConfig, MiniGPT, bench_workload, workload
 
@@ -53,8 +55,13 @@ def reachable_range(w, compiler: str) -> tuple[int, int]:
     return lowest.predicted_peak_bytes, highest.predicted_peak_bytes
 
 
+def lowest_budget(lowest_peak: int) -> int:
+    """The smallest budget the lowest plan fits: plans are held to the budget less a workspace allowance."""
+    return math.ceil(lowest_peak / (1 - WORKSPACE_FRACTION)) + 1
+
+
 def budget_ladder(low: int, high: int) -> list[int]:
-    return [int(b) for b in np.linspace(high, low, LADDER_STEPS)]
+    return [int(b) for b in np.linspace(high, lowest_budget(low), LADDER_STEPS)]
 
 
 def step_gradients(model, compiled, inputs, loss_fn):
