@@ -96,12 +96,13 @@ class MemoryProblem:
         return len(self.base_bytes)
 
     def with_schedule_excess(self, forward_bytes: int, backward_bytes: int) -> MemoryProblem:
-        """The problem with bytes added to every forward / backward step: what the final compiler's own
-        schedule holds beyond the modelled order (Inductor's fused kernels), as measured on a compiled plan.
-        Negative amounts are not taken: the model is never loosened by a schedule that did better."""
-        if forward_bytes <= 0 and backward_bytes <= 0:
+        """The problem with bytes added to every forward / backward step: what the compiled graphs hold
+        beyond the modelled order (Inductor's fused kernels), as read on a compiled plan. Negative amounts
+        (a schedule that holds less) are taken as given: the prediction of that plan; callers that plan
+        with it pass only positive ones, so a plan is never loosened by what another plan's schedule did."""
+        if forward_bytes == 0 and backward_bytes == 0:
             return self
-        extra = np.where(np.arange(self.steps) < self.backward_start, max(forward_bytes, 0), max(backward_bytes, 0))
+        extra = np.where(np.arange(self.steps) < self.backward_start, forward_bytes, backward_bytes)
         return dataclasses.replace(
             self, base_bytes=self.base_bytes + extra, base_before_bytes=self.base_before_bytes + extra
         )
