@@ -67,7 +67,8 @@ STRATEGY_KINDS = ("eager", "eager_ac", "compile", "amb", "dpcs")
 DEDUPE_RELATIVE = 0.005  # upstream peaks within 0.5% of each other give one dpcs budget
 # CompileRecord fields kept per dpcs graph (read with getattr: the planner's fields may be absent)
 RECORD_FIELDS = ("graph", "mode", "compiler", "predicted_peak_bytes", "budget_bytes", "plan_feasible", "solver",
-                 "recomputed_values", "offloaded_values", "plan_added_seconds", "partition_peak_bytes", "fallback")
+                 "recomputed_values", "offloaded_values", "plan_added_seconds", "partition_peak_bytes", "fallback",
+                 "forward_schedule_excess_bytes", "backward_schedule_excess_bytes", "replans", "fusions_refused")
 
 
 class LossModule(nn.Module):
