@@ -154,6 +154,7 @@ class GraphJob:
     measured_excess: dict[str, int] = dataclasses.field(default_factory=dict)
     partition_excess: dict[str, int] = dataclasses.field(default_factory=dict)
     replanning: bool = False
+    provisional: bool = False  # a re-plan the solver found over, compiled to be read (`hold_to_budget`)
 
     @classmethod
     def start(cls, gm: fx.GraphModule, example_inputs: Sequence[Any], options: DpcsOptions) -> GraphJob:
@@ -225,18 +226,31 @@ class GraphJob:
         self.record.predicted_peak_bytes = memory.peak_bytes
         self.finish()
         budget = self.plan.budget_bytes
-        if memory.peak_bytes <= planning_target(budget) or not self.plan.feasible:
+        if self.provisional and memory.peak_bytes <= planning_target(budget):
+            # The lowest plan, over by another plan's excess, fits by its own compiled graphs.
+            self.ctx.plan = dataclasses.replace(self.plan, feasible=True)
+            self.record.plan_feasible = True
+            self.provisional = False
+            self.finish()
             return
-        if self.replanning and self.record.replans < MAX_SCHEDULE_REPLANS:
+        if memory.peak_bytes <= planning_target(budget) or not (self.plan.feasible or self.provisional):
+            return
+        if self.replanning and self.record.replans < MAX_SCHEDULE_REPLANS and not self.provisional:
             raise ScheduleOverBudget(excess)
         over = ", ".join(f"{k} {v} B" for k, v in excess.items() if v > 0)
-        message = (
-            f"dpcs plan for {self.record.graph} fits memory_budget {format_bytes(budget)} ({budget} B, held to "
-            f"{planning_target(budget)} B for kernels' own workspace) by the plan model, but {source} holds more "
-            f"({over}), for a peak of {format_bytes(memory.peak_bytes)} ({memory.peak_bytes} B) after "
-            f"{self.record.replans} re-plans"
-            + ("" if self.replanning else " (compiled lazily, at the first backward: no re-plan possible)")
-        )
+        held = f"memory_budget {format_bytes(budget)} ({budget} B, held to {planning_target(budget)} B for kernels' own workspace)"
+        if self.provisional:
+            message = (
+                f"no dpcs plan for {self.record.graph} fits {held}: after {self.record.replans} re-plans the lowest "
+                f"plan, compiled, peaks at {format_bytes(memory.peak_bytes)} ({memory.peak_bytes} B; {source} "
+                f"holds {over or 'nothing'} beyond the plan model)"
+            )
+        else:
+            message = (
+                f"dpcs plan for {self.record.graph} fits {held} by the plan model, but {source} holds more ({over}), "
+                f"for a peak of {format_bytes(memory.peak_bytes)} ({memory.peak_bytes} B) after {self.record.replans} "
+                "re-plans" + ("" if self.replanning else " (compiled lazily, at the first backward: no re-plan possible)")
+            )
         if self.options.on_infeasible == "error":
             raise BudgetInfeasibleError(f"{message}; raise the budget, or pass on_infeasible='best' to compile it")
         warnings.warn(f"{message}; compiling it (on_infeasible='best')", stacklevel=2)
@@ -384,8 +398,13 @@ def plan_memory_budget(job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: in
         costs = ctx.analyses.get(op_cost, joint).per_node
         no_cost = NodeCost(0, 0, 0)
 
+        fused = schedule.fused
+
         def seconds(node: fx.Node) -> float:
-            return node_seconds(costs.get(node, no_cost), value_dtype(node), profile)
+            cost = costs.get(node, no_cost)
+            if node in fused:  # computed inside its readers' kernel: its own bytes never go through memory
+                cost = NodeCost(cost.flops, 0, 0)
+            return node_seconds(cost, value_dtype(node), profile)
 
         transfer = (lambda nbytes: transfer_seconds(nbytes, profile)) if device.type == "cuda" else None
         job.problem = planning.memory_problem(seconds, transfer)
@@ -431,7 +450,10 @@ def plan_memory_budget(job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: in
     record.offloaded_values = decisions.count(OFFLOAD)
     record.plan_added_seconds = solution.added_seconds
     job.finish()
-    if not solution.feasible:
+    # After a re-plan the excess counted is another plan's: a plan the solver finds over may still fit once
+    # its own compiled graphs are read. It is compiled, and `hold_to_budget` decides.
+    job.provisional = not solution.feasible and job.record.replans > 0
+    if not solution.feasible and not job.provisional:
         message = (
             f"memory_budget {format_bytes(budget)} ({budget} B; plans are held to {target} B, "
             f"{WORKSPACE_FRACTION:.2%} less, for kernels' own workspace) cannot be met for {record.graph}: the smallest peak "
