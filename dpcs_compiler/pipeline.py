@@ -210,7 +210,7 @@ class GraphJob:
         if self.dumper is not None:
             self.dumper.write_timeline(name, timeline, title=f"{self.record.graph} {name} (simulated)")
 
-    def hold_to_budget(self, excess: dict[str, int], source: str) -> None:
+    def hold_to_budget(self, excess: dict[str, int], source: str, *, final: bool = True) -> None:
         """Count what the compiled graphs hold beyond the plan model, and re-plan if that breaks the budget.
 
         `excess` holds bytes per phase ("forward", "backward") that `source` (the partitioned graphs, or
@@ -218,7 +218,9 @@ class GraphJob:
         those bytes added to that phase's steps (`MemoryProblem.with_schedule_excess`); the solver is held
         to the same formula when it plans again. If a plan the solver found feasible is over the budget,
         `ScheduleOverBudget` makes `compile_graph` plan again, at most MAX_SCHEDULE_REPLANS times; after
-        that, on_infeasible decides between an error and a warning.
+        that, on_infeasible decides between an error and a warning. `final` is False while a phase's
+        excess is still the planner's assumption (the forward checked, the backward not yet compiled): a
+        plan compiled to be read (`provisional`) is then not judged yet.
         """
         decisions = tuple(v.decision for v in self.plan.values)
         memory = plan_memory(self.problem.with_schedule_excess(excess["forward"], excess["backward"]), decisions)
@@ -226,6 +228,8 @@ class GraphJob:
         self.record.predicted_peak_bytes = memory.peak_bytes
         self.finish()
         budget = self.plan.budget_bytes
+        if self.provisional and not final:
+            return
         if self.provisional and memory.peak_bytes <= planning_target(budget):
             # The lowest plan, over by another plan's excess, fits by its own compiled graphs.
             self.ctx.plan = dataclasses.replace(self.plan, feasible=True)
@@ -603,7 +607,7 @@ class PartCompiler:
         setattr(job.record, f"{kind}_schedule_excess_bytes", excess)
         job.measured_excess[kind] = excess
         counted = {k: job.measured_excess.get(k, job.schedule_excess[k]) for k in ("forward", "backward")}
-        job.hold_to_budget(counted, f"Inductor's schedule of its {kind} graph")
+        job.hold_to_budget(counted, f"Inductor's schedule of its {kind} graph", final=kind == "backward")
 
     def eager(self, kind: str) -> Callable:
         from torch._dynamo.backends.debugging import boxed_nop
