@@ -152,6 +152,7 @@ class GraphJob:
     levels: PhaseLevels | None = None
     graph_inputs: dict[str, tuple[frozenset[str], frozenset[str]]] = dataclasses.field(default_factory=dict)
     measured_excess: dict[str, int] = dataclasses.field(default_factory=dict)
+    carried_excess: int = 0  # what the compiled forward leaves alive beyond the partitioned one
     partition_excess: dict[str, int] = dataclasses.field(default_factory=dict)
     replanning: bool = False
     provisional: bool = False  # a re-plan the solver found over, compiled to be read (`hold_to_budget`)
@@ -222,8 +223,7 @@ class GraphJob:
         excess is still the planner's assumption (the forward checked, the backward not yet compiled): a
         plan compiled to be read (`provisional`) is then not judged yet.
         """
-        decisions = tuple(v.decision for v in self.plan.values)
-        memory = plan_memory(self.problem.with_schedule_excess(excess["forward"], excess["backward"]), decisions)
+        memory = plan_memory(self.problem.with_schedule_excess(excess["forward"], excess["backward"]), self.plan.decisions)
         self.ctx.plan = dataclasses.replace(self.plan, predicted_peak_bytes=memory.peak_bytes)
         self.record.predicted_peak_bytes = memory.peak_bytes
         self.finish()
@@ -242,7 +242,7 @@ class GraphJob:
         if self.replanning and self.record.replans < MAX_SCHEDULE_REPLANS and not self.provisional:
             raise ScheduleOverBudget(excess)
         over = ", ".join(f"{k} {v} B" for k, v in excess.items() if v > 0)
-        held = f"memory_budget {format_bytes(budget)} ({budget} B, held to {planning_target(budget)} B for kernels' own workspace)"
+        held = describe_budget(budget)
         if self.provisional:
             message = (
                 f"no dpcs plan for {self.record.graph} fits {held}: after {self.record.replans} re-plans the lowest "
@@ -312,8 +312,7 @@ class JointPartitioner(CustomPartitionerFn):
         else:
             planning = plan_memory_budget(job, joint, num_fwd_outputs)
             with ctx.instrumented("partition", "plan"):
-                decisions = tuple(v.decision for v in job.plan.values)
-                forward, backward = partition_by_plan(joint, joint_inputs, planning, decisions, **kwargs)
+                forward, backward = partition_by_plan(joint, joint_inputs, planning, job.plan.decisions, **kwargs)
                 offloaded = job.plan.decided(OFFLOAD)
                 if offloaded:
                     insert_offloads(
@@ -363,8 +362,7 @@ class JointPartitioner(CustomPartitionerFn):
             job.record.peak_node = job.plan.peak_node
             # What the partitioned graphs hold beyond the plan model, per phase (a value re-made once for
             # several recomputations is counted once by the partition, per candidate by the model).
-            decisions = tuple(v.decision for v in job.plan.values)
-            model = plan_memory(job.problem, decisions).bytes_during
+            model = plan_memory(job.problem, job.plan.decisions).bytes_during
             start = job.problem.backward_start
             job.partition_excess = {
                 "forward": job.levels.forward_peak + RUNTIME_ALLOWANCE_BYTES - int(model[:start].max(initial=0)),
@@ -379,6 +377,14 @@ class JointPartitioner(CustomPartitionerFn):
             job.record.graph, len(values), job.record.saved_bytes, timeline.peak_bytes, job.record.peak_node,
         )
         return forward, backward
+
+
+def describe_budget(budget: int) -> str:
+    """The budget as the errors and warnings name it, with the peak plans are held to."""
+    return (
+        f"memory_budget {format_bytes(budget)} ({budget} B; plans are held to {planning_target(budget)} B, "
+        f"{WORKSPACE_FRACTION:.2%} less, for kernels' own workspace)"
+    )
 
 
 class BudgetInfeasibleError(ValueError):
@@ -412,7 +418,7 @@ def plan_memory_budget(job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: in
 
         transfer = (lambda nbytes: transfer_seconds(nbytes, profile)) if device.type == "cuda" else None
         job.problem = planning.memory_problem(seconds, transfer)
-        job.measured_excess = {}
+        job.measured_excess, job.carried_excess = {}, 0
         job.record.fusions_refused = 0
         # Under Inductor, after a re-plan: the bytes its schedule held beyond the model (zero at first).
         problem = job.problem.with_schedule_excess(job.schedule_excess["forward"], job.schedule_excess["backward"])
@@ -459,8 +465,7 @@ def plan_memory_budget(job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: in
     job.provisional = not solution.feasible and job.record.replans > 0
     if not solution.feasible and not job.provisional:
         message = (
-            f"memory_budget {format_bytes(budget)} ({budget} B; plans are held to {target} B, "
-            f"{WORKSPACE_FRACTION:.2%} less, for kernels' own workspace) cannot be met for {record.graph}: the smallest peak "
+            f"{describe_budget(budget)} cannot be met for {record.graph}: the smallest peak "
             f"dpcs can reach is {format_bytes(solution.peak_bytes)} ({solution.peak_bytes} B), with "
             f"{decisions.count(SAVE)} values saved, {record.recomputed_values} recomputed and "
             f"{record.offloaded_values} offloaded (+{solution.added_seconds * 1e3:.2f} ms per step estimated)"
@@ -601,9 +606,9 @@ class PartCompiler:
         if kind == "forward":
             # What the forward leaves beyond the model (a value it keeps that the model frees) is alive
             # throughout the backward too.
-            job.measured_excess["carried"] = scheduled.leaves_bytes - job.levels.forward_leaves
+            job.carried_excess = scheduled.leaves_bytes - job.levels.forward_leaves
         else:
-            excess += job.measured_excess.get("carried", 0)
+            excess += job.carried_excess
         setattr(job.record, f"{kind}_schedule_excess_bytes", excess)
         job.measured_excess[kind] = excess
         counted = {k: job.measured_excess.get(k, job.schedule_excess[k]) for k in ("forward", "backward")}

@@ -51,6 +51,11 @@ class Plan:
     def with_values(self, values: tuple[ValueDecision, ...]) -> Plan:
         return dataclasses.replace(self, values=values)
 
+    @property
+    def decisions(self) -> tuple[str, ...]:
+        """Each value's decision, in the order of `values` (the solver's candidate order)."""
+        return tuple(v.decision for v in self.values)
+
     def decided(self, decision: str) -> tuple[ValueDecision, ...]:
         return tuple(v for v in self.values if v.decision == decision)
 

@@ -84,13 +84,14 @@ def scheduled_peak(
     graph_inputs = OrderedSet(V.graph.graph_inputs.keys())
     graph_outputs = OrderedSet(V.graph.get_output_names())
     if torch._inductor.config.reorder_for_peak_memory:
-        # The order Inductor will pick: its reordering is a deterministic function of the fused nodes.
+        # The order Inductor will pick: its reordering is a deterministic function of the fused nodes (and
+        # sets their planning info, buffer sizes and users, which depends on the nodes, not their order).
         order = memory.reorder_for_peak_memory(
             list(nodes), scheduler.name_to_buf, scheduler.name_to_fused_node, graph_inputs, graph_outputs
         )
     else:
         order = nodes
-    memory.prepare_planning_info(order, scheduler.name_to_buf, scheduler.name_to_fused_node, graph_inputs, graph_outputs)
+        memory.prepare_planning_info(order, scheduler.name_to_buf, scheduler.name_to_fused_node, graph_inputs, graph_outputs)
     freeable = _input_buffers(order, graph_inputs, resident)
     infos, step_of, _ = memory.compute_memory_timeline(order, freeable, graph_outputs)
     first, last = kernel_groups(order)

@@ -51,20 +51,18 @@ class PlannedFusionChoices(InductorChoices):
 
     def __init__(self) -> None:
         super().__init__()
-        self._allocations: dict[int, tuple[int, list[int]]] = {}  # id(scheduler) -> (node count, bytes per order)
+        self._allocations: dict[int, list[int]] = {}  # id(scheduler) -> bytes allocated per pre-fusion order
         self.refused = 0
 
     def _bytes_by_order(self, scheduler) -> list[int]:
-        key = id(scheduler)
-        cached = self._allocations.get(key)
-        if cached is None:
+        """Bytes each node allocates, by its place in the order before fusion (read at the first call)."""
+        if id(scheduler) not in self._allocations:
             subs = [sub for node in scheduler.nodes for sub in node.get_nodes()]
             by_order = [0] * (max((s.min_order for s in subs), default=-1) + 1)
             for sub in subs:
                 by_order[sub.min_order] += _output_bytes(sub)
-            cached = (len(subs), by_order)
-            self._allocations[key] = cached
-        return cached[1]
+            self._allocations[id(scheduler)] = by_order
+        return self._allocations[id(scheduler)]
 
     def can_fuse_horizontal(self, scheduler, node1, node2, shared_data_score: int) -> bool:
         if not super().can_fuse_horizontal(scheduler, node1, node2, shared_data_score):
