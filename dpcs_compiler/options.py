@@ -17,6 +17,10 @@ from typing import Any
 
 COMPILERS = ("inductor", "eager")
 ON_INFEASIBLE = ("error", "best")
+PRECISIONS = ("fp32", "bf16", "fp16")
+FP8_RECIPES = ("tensorwise", "rowwise")
+FP8_MATMULS = ("auto", "scaled_mm", "emulated")
+FP8_GRAD_DTYPES = ("e5m2", "e4m3")
 DUMP_DIR_ENV = "DPCS_DUMP_DIR"
 _BYTE_UNITS = {
     "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -59,6 +63,78 @@ def parse_memory_budget(value: Any) -> int | float | str | None:
     raise bad()
 
 
+def _patterns(key: str, value: Any) -> tuple[str, ...]:
+    """A list of module-name patterns (fnmatch syntax), as a tuple."""
+    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(
+        isinstance(p, str) and p for p in value
+    ):
+        raise ValueError(
+            f"dpcs option {key!r}={value!r} is not valid; valid choices: a list of module-name patterns "
+            "(fnmatch syntax, e.g. ['lm_head', '*.norm'])"
+        )
+    return tuple(value)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Fp8Options:
+    """The `fp8` option: which linears run as fp8 matmuls with dynamic scaling, and how.
+
+    recipe: "tensorwise" (one scale per tensor) or "rowwise" (one scale per row of the contraction).
+    filter: module-name patterns (fnmatch); a linear is eligible if its module or an enclosing one matches.
+    min_size: a linear is eligible if both its in_features and out_features are at least this (fp8 pays
+        off only on large matmuls; the quantization passes cost memory traffic).
+    margin: scales are fp8_max / amax / 2**margin; a larger margin leaves headroom for growing values.
+    matmul: "scaled_mm" (torch._scaled_mm), "emulated" (the same math in fp32), or "auto" (scaled_mm where
+        the device runs it, emulated elsewhere, with a warning that emulation gains no speed).
+    grad_dtype: the output gradient's fp8 format in backward: "e5m2" (range) or "e4m3" (precision).
+    """
+
+    recipe: str = "tensorwise"
+    filter: tuple[str, ...] = ("*",)
+    min_size: int = 1024
+    margin: float = 0.0
+    matmul: str = "auto"
+    grad_dtype: str = "e5m2"
+
+    def __post_init__(self) -> None:
+        if self.recipe not in FP8_RECIPES:
+            raise ValueError(
+                f"dpcs option 'fp8.recipe'={self.recipe!r} is not valid; valid choices: {', '.join(map(repr, FP8_RECIPES))}"
+            )
+        object.__setattr__(self, "filter", _patterns("fp8.filter", self.filter))
+        if isinstance(self.min_size, bool) or not isinstance(self.min_size, int) or self.min_size < 16:
+            raise ValueError(f"dpcs option 'fp8.min_size'={self.min_size!r} is not valid; valid choices: an int >= 16")
+        if isinstance(self.margin, bool) or not isinstance(self.margin, (int, float)) or not 0 <= self.margin <= 16:
+            raise ValueError(f"dpcs option 'fp8.margin'={self.margin!r} is not valid; valid choices: a number in [0, 16]")
+        object.__setattr__(self, "margin", float(self.margin))
+        if self.matmul not in FP8_MATMULS:
+            raise ValueError(
+                f"dpcs option 'fp8.matmul'={self.matmul!r} is not valid; valid choices: {', '.join(map(repr, FP8_MATMULS))}"
+            )
+        if self.grad_dtype not in FP8_GRAD_DTYPES:
+            raise ValueError(
+                f"dpcs option 'fp8.grad_dtype'={self.grad_dtype!r} is not valid; valid choices: "
+                f"{', '.join(map(repr, FP8_GRAD_DTYPES))}"
+            )
+
+    @classmethod
+    def parse(cls, value: Any) -> Fp8Options | None:
+        if value is None or isinstance(value, Fp8Options):
+            return value
+        if value is True:
+            return cls()
+        if not isinstance(value, Mapping):
+            raise ValueError(
+                f"dpcs option 'fp8'={value!r} is not valid; valid choices: None, True, or a dict with keys "
+                "'recipe', 'filter', 'min_size', 'margin', 'matmul', 'grad_dtype'"
+            )
+        valid = [f.name for f in dataclasses.fields(cls)]
+        for key in value:
+            if key not in valid:
+                raise ValueError(f"unknown dpcs option 'fp8.{key}'; valid keys: {', '.join(map(repr, valid))}")
+        return cls(**value)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DpcsOptions:
     """Every option the backend accepts.
@@ -74,6 +150,13 @@ class DpcsOptions:
         memory less a margin). None: no plan, torch's min-cut partition.
     on_infeasible: when no plan fits the budget: "error" raises, naming the smallest peak dpcs can reach;
         "best" compiles the plan with that smallest peak and warns.
+    precision: "fp32", or "bf16" / "fp16": matmuls, linears, convolutions and attention run in that dtype,
+        reductions, norms, softmax and losses in fp32 (`passes/rewrite/precision.py`). fp16 needs loss
+        scaling (torch.amp.GradScaler).
+    keep_fp32: module-name patterns (fnmatch, e.g. ["lm_head", "*.norm"]) whose ops all stay in fp32.
+    fp8: None, or the fp8 linear regions (`Fp8Options`, given as a dict; True for the defaults).
+    detect_overflow: whether the compiled backward raises a device-side flag when a gradient is inf or NaN
+        (`runtime/overflow.py`); None: on for fp16 and fp8, off otherwise.
     """
 
     compiler: str = "inductor"
@@ -81,6 +164,10 @@ class DpcsOptions:
     dump_dir: Path | None = None
     memory_budget: int | float | str | None = None
     on_infeasible: str = "error"
+    precision: str = "fp32"
+    keep_fp32: tuple[str, ...] = ()
+    fp8: Fp8Options | None = None
+    detect_overflow: bool | None = None
 
     def __post_init__(self) -> None:
         if self.compiler not in COMPILERS:
@@ -102,6 +189,23 @@ class DpcsOptions:
                 f"dpcs option 'on_infeasible'={self.on_infeasible!r} is not valid; valid choices: "
                 f"{', '.join(map(repr, ON_INFEASIBLE))}"
             )
+        if self.precision not in PRECISIONS:
+            raise ValueError(
+                f"dpcs option 'precision'={self.precision!r} is not valid; valid choices: {', '.join(map(repr, PRECISIONS))}"
+            )
+        object.__setattr__(self, "keep_fp32", _patterns("keep_fp32", self.keep_fp32))
+        object.__setattr__(self, "fp8", Fp8Options.parse(self.fp8))
+        if self.detect_overflow not in (None, True, False):
+            raise ValueError(
+                f"dpcs option 'detect_overflow'={self.detect_overflow!r} is not valid; valid choices: None, True, False"
+            )
+
+    @property
+    def overflow_detected(self) -> bool:
+        """Whether the backward checks its gradients (`detect_overflow`, or its default)."""
+        if self.detect_overflow is not None:
+            return self.detect_overflow
+        return self.precision == "fp16" or self.fp8 is not None
 
     @classmethod
     def from_dict(cls, options: Mapping[str, Any] | None) -> DpcsOptions:
@@ -118,9 +222,14 @@ class DpcsOptions:
         return cls(**options)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            f.name: (str(v) if isinstance(v := getattr(self, f.name), Path) else v) for f in dataclasses.fields(self)
-        }
+        def plain(value: Any) -> Any:
+            if isinstance(value, Path):
+                return str(value)
+            if isinstance(value, Fp8Options):
+                return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(value).items()}
+            return list(value) if isinstance(value, tuple) else value
+
+        return {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
     def fingerprint(self) -> str:
         """Stable hash of the options that change compiled code (the dump folder and strictness do not)."""

@@ -1,12 +1,12 @@
 """The dpcs compile pipeline for one Dynamo graph, stage by stage.
 
     Dynamo graph
-      -> pre-autograd rewrites            (precision and fp8 rewrites go here: AOTAutograd traces their backward)
+      -> precision plan -> pre-autograd rewrites  (fp8 regions, precision casts: AOTAutograd traces their backward)
       -> AOTAutograd joint graph
       -> joint analyses -> plan -> partition -> step analyses
          (no memory_budget: torch's min-cut partition; with one: candidates -> cost model -> solver ->
           partition by the plan's decisions -> offload/reload ops)
-      -> forward / backward rewrites      (offload and prefetch go here)
+      -> forward / backward rewrites      (offload and prefetch; the backward's overflow check)
       -> final compiler                   (Inductor, or "eager": the same graphs run uncompiled)
 
 With Inductor, dpcs runs inside Inductor's own `compile_fx`: the partition stage is Inductor's
@@ -50,20 +50,26 @@ from dpcs_compiler.passes.analysis.fusion import inductor_fusion
 from dpcs_compiler.passes.analysis.inductor_schedule import ScheduledPeak, probe_available, probe_scheduled_peak
 from dpcs_compiler.passes.analysis.memory_timeline import MemoryTimeline
 from dpcs_compiler.passes.infra import AnalysisCache, PassContext, PassTimer, Rewrite, run_rewrites
+from dpcs_compiler.passes.analysis.op_sites import example_value, op_sites
+from dpcs_compiler.passes.rewrite.fp8 import Fp8Regions
 from dpcs_compiler.passes.rewrite.fusion_guard import planned_fusion_choices
+from dpcs_compiler.passes.rewrite.precision import DTYPES, PrecisionCasts
 from dpcs_compiler.passes.rewrite.offload import insert_offloads
-from dpcs_compiler.passes.rewrite.partition import partition_by_plan
+from dpcs_compiler.passes.rewrite.overflow_check import OverflowCheck
+from dpcs_compiler.passes.rewrite.partition import partition_by_plan, recast_parameters_in_backward
 from dpcs_compiler.plan import Plan, ValueDecision
 from dpcs_compiler.report import CompileRecord, add_record
+from dpcs_compiler.runtime.fp8 import scaled_mm_supported
 from dpcs_compiler.solve import solve
+from dpcs_compiler.solve.precision import plan_precision
 from dpcs_compiler.solve.solution import measured_solution
 
 log = logging.getLogger("dpcs.pipeline")
 
 # The rewrites of each stage, in order. Empty stages are the hooks later capabilities fill.
-PRE_AUTOGRAD_REWRITES: tuple[Rewrite, ...] = ()
+PRE_AUTOGRAD_REWRITES: tuple[Rewrite, ...] = (Fp8Regions(), PrecisionCasts())
 FORWARD_REWRITES: tuple[Rewrite, ...] = ()
-BACKWARD_REWRITES: tuple[Rewrite, ...] = ()
+BACKWARD_REWRITES: tuple[Rewrite, ...] = (OverflowCheck(),)
 INFERENCE_REWRITES: tuple[Rewrite, ...] = ()
 
 _graph_ids = itertools.count()
@@ -73,7 +79,9 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Dp
     """Run the whole dpcs pipeline on one Dynamo graph and return the compiled callable."""
     job = GraphJob.start(gm, example_inputs, options)
     job.dump_graph("dynamo", gm)
+    plan_precision_stage(job, gm)  # per-op dtypes and fp8 linears -> the plan
     gm = job.rewrite("pre_autograd", gm, PRE_AUTOGRAD_REWRITES)
+    job.dump_graph("pre_autograd.final", gm)
     partitioner = JointPartitioner(job)  # joint analyses -> plan -> partition -> step analyses
     part_compiler = PartCompiler(job)  # forward / backward rewrites -> final compiler
     while True:
@@ -307,6 +315,9 @@ class JointPartitioner(CustomPartitionerFn):
             job.dumper.write_timeline("joint_memory_timeline", joint_timeline, f"{job.record.graph} joint (no partition)")
         if job.options.memory_budget is None:
             with ctx.instrumented("partition", "min_cut"):
+                if job.plan.precision != "fp32" or any(d.fp8 for d in job.plan.fp8_linears):
+                    # Low-precision copies of weights are made again in backward, not saved.
+                    job.record.recast_parameter_nodes = recast_parameters_in_backward(joint, joint_schedule.parameters)
                 kwargs.setdefault("compiler", "inductor")  # Inductor passes it; the eager path asks for the same
                 forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
         else:
@@ -489,10 +500,45 @@ def plan_memory_budget(job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: in
     return planning
 
 
+def plan_precision_stage(job: GraphJob, gm: fx.GraphModule) -> None:
+    """Decide each op's dtype and the fp8 linears of the Dynamo graph (`solve/precision.py`) into the plan."""
+    options = job.options
+    job.record.precision = options.precision
+    job.ctx.plan = dataclasses.replace(job.plan, precision=options.precision, detect_overflow=options.overflow_detected)
+    if options.precision == "fp32" and options.fp8 is None:
+        return  # keep_fp32 changes nothing when everything is fp32
+    with job.ctx.instrumented("pre_autograd", "plan_precision"):
+        sites = job.ctx.analyses.get(op_sites, gm)
+        matmul = options.fp8.matmul if options.fp8 is not None else "scaled_mm"
+        if options.fp8 is not None and matmul == "auto":
+            device = graph_device(gm)
+            # Outputs in the region's dtype (forward, input gradient) and the fp32 weight's (weight gradient).
+            out_dtypes = {DTYPES[options.precision], torch.float32}
+            supported = all(scaled_mm_supported(device, options.fp8.recipe, dtype) for dtype in out_dtypes)
+            matmul = "scaled_mm" if supported else "emulated"
+            if matmul == "emulated":
+                warnings.warn(
+                    f"torch._scaled_mm does not run the {options.fp8.recipe} fp8 recipe on {device}: dpcs emulates the "
+                    "fp8 matmuls exactly in fp32 (same numerics, no speedup; fp8 matmuls need CUDA sm89 or newer)",
+                    stacklevel=2,
+                )
+        ops, linears = plan_precision(
+            sites, precision=options.precision, keep_fp32=options.keep_fp32, fp8=options.fp8, fp8_matmul=matmul
+        )
+        job.ctx.plan = dataclasses.replace(job.plan, precision_ops=ops, fp8_linears=linears)
+    job.record.cast_ops = sum(d.dtype != "fp8" for d in ops)
+    job.record.fp8_linears = sum(d.fp8 for d in linears)
+    log.info(
+        "%s: precision %s, %d ops with a dtype decision, %d of %d linears in fp8",
+        job.record.graph, options.precision, job.record.cast_ops, job.record.fp8_linears, len(linears),
+    )
+
+
 def graph_device(gm: fx.GraphModule) -> torch.device:
     """The device of the graph's tensor inputs (one per graph; 0-dim CPU tensors, such as a step count,
     may come along)."""
-    values = [v for n in gm.graph.find_nodes(op="placeholder") if isinstance(v := n.meta.get("val"), torch.Tensor)]
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    values = [v for n in placeholders if isinstance(v := n.meta.get("val", example_value(n)), torch.Tensor)]
     devices = {v.device for v in values if v.dim() > 0 or v.device.type != "cpu"}  # CPU scalars ride along
     devices = devices or {v.device for v in values}
     if len(devices) != 1:

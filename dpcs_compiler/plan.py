@@ -37,6 +37,34 @@ class ValueDecision:
 
 
 @dataclasses.dataclass(frozen=True)
+class PrecisionDecision:
+    """The dtype one Dynamo-graph op computes in, and the rule that put it there (`passes/rewrite/precision.py`)."""
+
+    node: str
+    module: str  # the innermost module the op belongs to ("" for the top level)
+    op: str
+    dtype: str  # "fp32", "bf16" or "fp16"
+    rule: str  # e.g. "lower precision op", "fp32 op", "keep_fp32 'lm_head'"
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Decision:
+    """One linear of the Dynamo graph and whether it runs as an fp8 matmul (`passes/rewrite/fp8.py`)."""
+
+    node: str
+    module: str
+    in_features: int
+    out_features: int
+    tokens: int  # rows of the flattened input at the traced sizes
+    fp8: bool
+    reason: str  # why it is or is not an fp8 region
+    recipe: str | None = None  # "tensorwise" | "rowwise"
+    matmul: str | None = None  # "scaled_mm" | "emulated"
+    margin: float = 0.0  # scales are amax-based, divided by 2**margin
+    grad_dtype: str | None = None  # the output gradient's fp8 format: "e5m2" | "e4m3"
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     graph: str
     options_fingerprint: str
@@ -47,6 +75,12 @@ class Plan:
     predicted_peak_bytes: int | None = None
     feasible: bool | None = None
     peak_node: str | None = None  # where the plan's predicted peak is
+    # Precision (pre-autograd): the graph's low-precision dtype, per-op decisions, fp8 linears, and
+    # whether the backward raises the overflow flag on non-finite gradients (`runtime/overflow.py`).
+    precision: str = "fp32"
+    precision_ops: tuple[PrecisionDecision, ...] = ()
+    fp8_linears: tuple[Fp8Decision, ...] = ()
+    detect_overflow: bool = False
 
     def with_values(self, values: tuple[ValueDecision, ...]) -> Plan:
         return dataclasses.replace(self, values=values)
@@ -79,6 +113,10 @@ class Plan:
             "feasible": self.feasible,
             "peak_node": self.peak_node,
             "values": [dataclasses.asdict(v) for v in self.values],
+            "precision": self.precision,
+            "precision_ops": [dataclasses.asdict(d) for d in self.precision_ops],
+            "fp8_linears": [dataclasses.asdict(d) for d in self.fp8_linears],
+            "detect_overflow": self.detect_overflow,
         }
 
     def compile_key(self) -> str:

@@ -41,6 +41,11 @@ class CompileRecord:
     backward_schedule_excess_bytes: int | None = None
     replans: int = 0
     fusions_refused: int = 0  # Inductor horizontal fusions refused across allocations (passes/rewrite/fusion_guard)
+    # Precision (solve/precision.py): the graph's low dtype, ops given a dtype, linears run in fp8.
+    precision: str = "fp32"
+    cast_ops: int = 0
+    fp8_linears: int = 0
+    recast_parameter_nodes: int = 0  # without a budget: parameter casts made again in backward, not saved
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

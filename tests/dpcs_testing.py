@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dpcs_compiler import clear_compile_records
+import warnings
+
+from dpcs_compiler import clear_compile_records, compile_records
+from dpcs_compiler.measure import measure_training_step
 
 COMPILERS = ["eager", pytest.param("inductor", marks=pytest.mark.inductor)]
 
@@ -22,3 +25,37 @@ def fresh_compile_state():
 def dpcs_compile(model, compiler: str = "eager", **options):
     """torch.compile through dpcs; the test suite runs strict so a dpcs failure is a test failure."""
     return torch.compile(model, backend="dpcs", options={"compiler": compiler, "strict": True, **options})
+
+
+def dynamo_graph(model, *inputs) -> torch.fx.GraphModule:
+    """The (single) graph Dynamo makes of `model(*inputs)`, as a backend receives it."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compile(model, backend=capture, fullgraph=True)(*inputs)
+    torch._dynamo.reset()
+    return graphs[0]
+
+
+def measured_step(w, compiler: str, **options):
+    """Compile `w` afresh with these options and measure one step: (measurement, its compile record)."""
+    torch._dynamo.reset()
+    clear_compile_records()
+    compiled = dpcs_compile(w.model, compiler, **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # on_infeasible="best" warns; the record says it
+        result = measure_training_step(w.model, compiled, w.inputs, loss_fn=w.loss_fn, warmup=1, repeats=1)
+    (record,) = [r for r in compile_records() if r.mode == "training"]
+    return result, record
+
+
+def reachable_range(w, compiler: str, **options) -> tuple[int, int]:
+    """(smallest peak any plan reaches, peak of the plan that saves everything), as predicted."""
+    _, lowest = measured_step(w, compiler, memory_budget=1, on_infeasible="best", **options)
+    _, highest = measured_step(w, compiler, memory_budget="1TiB", **options)
+    assert lowest.plan_feasible is False and highest.plan_feasible is True
+    assert highest.recomputed_values == 0 and lowest.recomputed_values > 0
+    return lowest.predicted_peak_bytes, highest.predicted_peak_bytes

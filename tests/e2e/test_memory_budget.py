@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 
 import numpy as np
 import pytest
 import torch
 
-from dpcs_testing import COMPILERS, dpcs_compile
+from dpcs_testing import COMPILERS, dpcs_compile, measured_step, reachable_range
 from dpcs_compiler import clear_compile_records, compile_records
 from dpcs_compiler.cost.budget import WORKSPACE_FRACTION
-from dpcs_compiler.measure import measure_training_step
 from dpcs_compiler.models import BlockMLP, GPTConfig, MiniGPT, bench_workload, workload
 
 LADDER_STEPS = 5
@@ -32,27 +30,6 @@ def gpt_workload(dropout: float = 0.0, batch: int = 4, layers: int = 2):
         model = MiniGPT(dataclasses.replace(GPTConfig(layers=layers), dropout=dropout))
         w = dataclasses.replace(w, model=model)
     return w
-
-
-def measured_step(w, compiler: str, **options):
-    """Compile `w` afresh with these options and measure one step: (measurement, its compile record)."""
-    torch._dynamo.reset()
-    clear_compile_records()
-    compiled = dpcs_compile(w.model, compiler, **options)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # on_infeasible="best" warns; the record says it
-        result = measure_training_step(w.model, compiled, w.inputs, loss_fn=w.loss_fn, warmup=1, repeats=1)
-    (record,) = [r for r in compile_records() if r.mode == "training"]
-    return result, record
-
-
-def reachable_range(w, compiler: str) -> tuple[int, int]:
-    """(smallest peak any plan reaches, peak of the plan that saves everything), as predicted."""
-    _, lowest = measured_step(w, compiler, memory_budget=1, on_infeasible="best")
-    _, highest = measured_step(w, compiler, memory_budget="1TiB")
-    assert lowest.plan_feasible is False and highest.plan_feasible is True
-    assert highest.recomputed_values == 0 and lowest.recomputed_values > 0
-    return lowest.predicted_peak_bytes, highest.predicted_peak_bytes
 
 
 def lowest_budget(lowest_peak: int) -> int:

@@ -113,3 +113,27 @@ def saved_names(forward: fx.GraphModule, num_user_outputs: int) -> list[str]:
     output = next(n for n in reversed(forward.graph.nodes) if n.op == "output")
     values = output.args[0]
     return [v.name for v in values[num_user_outputs:] if isinstance(v, fx.Node)]
+
+
+def recast_parameters_in_backward(joint: fx.GraphModule, parameters: frozenset[fx.Node]) -> int:
+    """Tag the cheap forward values made from parameters alone (casts to bf16 or fp8, their scales, views)
+    MUST_RECOMPUTE, so torch's min-cut partitioner makes them again in backward instead of saving them.
+
+    A parameter stays resident through the step, so a low-precision copy of it saved for backward is pure
+    extra memory (2 bytes a parameter for bf16, 1 for fp8), which min-cut does not see: it counts the
+    parameter's own bytes against the copy's. Recasting costs one pass over the weight per step, small
+    beside the matmuls that read it. Ops with a FLOP formula (a matmul of weights) end a chain: recomputing
+    those is not cheap. Returns the number of nodes tagged.
+    """
+    from torch.utils.flop_counter import flop_registry
+
+    derived: set[fx.Node] = set()
+    for node in joint.graph.nodes:
+        if node.op != "call_function" or is_random(node) or getattr(node.target, "overloadpacket", None) in flop_registry:
+            continue
+        inputs = node.all_input_nodes
+        if inputs and all(i in parameters or i in derived for i in inputs):
+            derived.add(node)
+    for node in derived:
+        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    return len(derived)

@@ -1,0 +1,53 @@
+"""Replace the linears the plan marks as fp8 regions with `runtime.fp8.fp8_linear`, in the Dynamo graph.
+
+Runs before AOTAutograd and before the precision casts: AOTAutograd traces `fp8_linear`'s autograd
+function into plain ops (amax, scale, cast to float8, `_scaled_mm` or its emulation), forward and
+backward, so Inductor fuses the scaling with its neighbours and the memory planner sees the fp8 values
+(1 byte per element) saved for backward. The output is in the region's dtype (the `precision` option);
+the weight stays in its own dtype for the optimizer and is cast anew in backward (no fp8 weight copy is
+saved). The recipe, scaling margin and matmul implementation come from the plan's `Fp8Decision`.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch.fx as fx
+
+from dpcs_compiler.passes.infra import PassContext, Rewrite
+from dpcs_compiler.passes.rewrite.precision import DTYPES, propagate_dtypes, refuse_unsupported
+from dpcs_compiler.runtime.fp8 import fp8_linear
+
+
+def linear_operands(node: fx.Node) -> tuple[object, object, object]:
+    """(input, weight, bias) of a `torch._C._nn.linear` call, however its arguments were passed."""
+    names = ("input", "weight", "bias")
+    values = list(node.args) + [None] * (3 - len(node.args))
+    for i, name in enumerate(names):
+        if name in node.kwargs:
+            values[i] = node.kwargs[name]
+    return tuple(values)
+
+
+class Fp8Regions(Rewrite):
+    """Turn each linear with an fp8 decision (`Plan.fp8_linears`) into an `fp8_linear` call."""
+
+    name: ClassVar[str] = "fp8_regions"
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> bool:
+        chosen = {d.node: d for d in ctx.plan.fp8_linears if d.fp8}
+        if not chosen:
+            return False
+        refuse_unsupported(gm)
+        out_dtype = DTYPES[ctx.plan.precision]
+        nodes = {n.name: n for n in gm.graph.nodes}
+        for name, decision in chosen.items():
+            node = nodes[name]
+            node.target = fp8_linear
+            node.args = linear_operands(node)
+            node.kwargs = {
+                "recipe": decision.recipe, "margin": decision.margin, "matmul": decision.matmul, "out_dtype": out_dtype,
+                "grad_dtype": decision.grad_dtype,
+            }
+        propagate_dtypes(gm)  # later ops read the fp8 regions' outputs in the region's dtype
+        return True
