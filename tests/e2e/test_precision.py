@@ -27,7 +27,7 @@ from torch.testing import FileCheck
 from dpcs_testing import COMPILERS, dpcs_compile, measured_step, reachable_range
 from dpcs_compiler import compile_records
 from dpcs_compiler.cost.budget import WORKSPACE_FRACTION
-from dpcs_compiler.models import GPTConfig, MiniGPT, workload
+from dpcs_compiler.models import GPTConfig, LlamaLM, LlamaSize, MiniGPT, workload
 from dpcs_compiler.runtime import overflow
 from dpcs_compiler.runtime.fp8 import sqnr_db
 
@@ -88,6 +88,24 @@ def test_fp8_step_against_fp32_eager(gpt_and_batch, recipe, precision):
     assert record.fp8_linears == LINEARS
     sqnr = gradient_sqnr(ref_grads, grads)
     assert min(sqnr.values()) >= 14.0 and statistics.median(sqnr.values()) >= 20.0, sqnr
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-2, atol=0)
+
+
+@pytest.mark.parametrize("options", [{"precision": "bf16"}, {"precision": "bf16", "fp8": FP8}], ids=["bf16", "fp8"])
+def test_transformers_llama_step(options):
+    """RMSNorm's explicit fp32 upcast, rotary embeddings in fp32 meeting bf16 projections, SwiGLU."""
+    torch.manual_seed(0)
+    model = LlamaLM(LlamaSize(vocab=128, hidden=64, intermediate=176, layers=2, heads=2, seq=32))
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    ref_loss, ref_grads = step(model, (ids,))
+    loss, grads = step(model, (ids,), **options)
+    sqnr = gradient_sqnr(ref_grads, grads)
+    (record,) = compile_records()
+    if "fp8" in options:
+        assert record.fp8_linears == 7 * 2 + 1  # q, k, v, o, gate, up, down per layer, and the head
+        assert min(sqnr.values()) >= 14.0 and statistics.median(sqnr.values()) >= 20.0, sqnr
+    else:
+        assert min(sqnr.values()) >= STEP_TOLERANCE["bf16"][0], sqnr
     torch.testing.assert_close(loss, ref_loss, rtol=1e-2, atol=0)
 
 

@@ -102,7 +102,7 @@ def _linear_shape(node: fx.Node, shape_env: Any | None) -> LinearShape | None:
 def subgraph_calls(gm: fx.GraphModule) -> list[fx.Node]:
     """Calls whose body is another graph (higher-order ops: checkpoint regions, cond, ...)."""
     subgraphs = {n for n in gm.graph.nodes if n.op == "get_attr" and isinstance(getattr(gm, n.target, None), fx.GraphModule)}
-    return [n for n in gm.graph.nodes if n.op == "call_function" and any(a in subgraphs for a in n.args)]
+    return [n for n in gm.graph.nodes if n.op == "call_function" and subgraphs.intersection(n.all_input_nodes)]
 
 
 def op_sites(gm: fx.GraphModule, analyses: Any | None = None) -> tuple[OpSite, ...]:

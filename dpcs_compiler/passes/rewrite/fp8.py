@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch.fx as fx
 
 from dpcs_compiler.passes.infra import PassContext, Rewrite
-from dpcs_compiler.passes.rewrite.precision import DTYPES, propagate_dtypes, refuse_unsupported
+from dpcs_compiler.passes.rewrite.precision import DTYPES, fake_mode_of, refresh_example_value, refuse_unsupported
 from dpcs_compiler.runtime.fp8 import fp8_linear
 
 
@@ -49,5 +49,8 @@ class Fp8Regions(Rewrite):
                 "recipe": decision.recipe, "margin": decision.margin, "matmul": decision.matmul, "out_dtype": out_dtype,
                 "grad_dtype": decision.grad_dtype,
             }
-        propagate_dtypes(gm)  # later ops read the fp8 regions' outputs in the region's dtype
+            with fake_mode_of(gm):
+                refresh_example_value(gm, node)
+        # Later ops see the regions' outputs in the region's dtype when the precision casts re-derive the
+        # graph's dtypes (they run next, and cast what must agree, e.g. attention's query, key and value).
         return True
