@@ -45,7 +45,7 @@ import statistics
 import sys
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -588,6 +588,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextlib.contextmanager
+def compile_afresh() -> Iterator[None]:
+    """Each compile derives its graphs anew (no FX-graph or AOTAutograd cache hits across strategies), and
+    every strategy may add a Dynamo cache entry without reaching the recompile limit."""
+    limit_name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    with contextlib.ExitStack() as stack:
+        for config, key, value in ((torch._inductor.config, "fx_graph_cache", False),
+                                   (torch._functorch.config, "enable_autograd_cache", False),
+                                   (torch._dynamo.config, limit_name, 256)):
+            if hasattr(config, key):
+                stack.enter_context(config.patch(**{key: value}))
+        yield
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -608,8 +622,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = torch.device(args.device)
     log = lambda text: console.print(text, style="dim", highlight=False, markup=False)  # noqa: E731
 
-    # Every compiled strategy adds a cache entry to the same frames: lift Dynamo's recompile limit (8).
-    limit_name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
     payload: dict[str, Any] = {
         "device": device_name(device),
         "device_type": device.type,
@@ -631,13 +643,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if device.type == "cpu" and load is not None and load > (os.cpu_count() or 1):
         log(f"warning: the 1-minute load average is {load:.1f} on {os.cpu_count()} CPUs: "
             "other processes compete for the CPU and step times will be noisy")
-    with contextlib.ExitStack() as stack:
-        # Each compile must derive its graphs anew: no FX-graph or AOTAutograd cache hits across strategies.
-        for config, key, value in ((torch._inductor.config, "fx_graph_cache", False),
-                                   (torch._functorch.config, "enable_autograd_cache", False),
-                                   (torch._dynamo.config, limit_name, 256)):
-            if hasattr(config, key):
-                stack.enter_context(config.patch(**{key: value}))
+    with compile_afresh():
         for model in args.models:
             payload["models"][model] = run_model(model, args, device, log)
     torch._dynamo.reset()

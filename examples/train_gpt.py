@@ -1,12 +1,13 @@
 """A small GPT trained through the dpcs backend: the README's main job.
 
     python examples/train_gpt.py [--steps 20] [--batch 8] [--layers 2] [--compiler inductor|eager] [--device cpu]
-                                 [--budget-fraction 0.8]
+                                 [--budget-fraction 0.8] [--precision fp32|bf16|fp16] [--fp8 tensorwise|rowwise]
 
 Trains the model through dpcs with a memory budget of `--budget-fraction` times the peak the same step
 measures without a plan (torch's min-cut partition), then prints what dpcs decided for each compiled
 graph (values saved, recomputed, offloaded; budget; predicted peak) and what it saved: measured peak and
-median step time with the budget against without it.
+median step time with the budget against without it. `--precision` and `--fp8` apply to both runs
+(on a CPU, bf16/fp16/fp8 matmuls are far slower than fp32: use them there to see memory, not speed).
 """
 
 from __future__ import annotations
@@ -32,14 +33,17 @@ def main() -> None:
     parser.add_argument("--compiler", choices=["inductor", "eager"], default="inductor")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--budget-fraction", type=float, default=0.8, help="budget / the unplanned measured peak")
+    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
+    parser.add_argument("--fp8", choices=["tensorwise", "rowwise"], default=None, help="fp8 linears with this recipe")
     args = parser.parse_args()
-    console = Console(width=120)
+    precision = {"precision": args.precision, "fp8": None if args.fp8 is None else {"recipe": args.fp8, "min_size": 64}}
+    console = Console(width=160)
 
     w = workload("gpt", args.batch, layers=args.layers)
     model = w.model.to(args.device)
     inputs = tuple(x.to(args.device) for x in w.inputs)
 
-    unplanned = torch.compile(model, backend="dpcs", options={"compiler": args.compiler})
+    unplanned = torch.compile(model, backend="dpcs", options={"compiler": args.compiler, **precision})
     baseline = measure_training_step(model, unplanned, inputs, loss_fn=w.loss_fn, device=args.device)
     budget = int(args.budget_fraction * baseline.measured_peak_bytes)
     console.print(
@@ -52,7 +56,9 @@ def main() -> None:
 
     clear_compile_records()
     compiled = torch.compile(
-        model, backend="dpcs", options={"compiler": args.compiler, "memory_budget": budget, "on_infeasible": "best"}
+        model,
+        backend="dpcs",
+        options={"compiler": args.compiler, "memory_budget": budget, "on_infeasible": "best", **precision},
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
 
@@ -77,13 +83,14 @@ def main() -> None:
         model, compiled, inputs, loss_fn=w.loss_fn, device=args.device, predicted_peak_bytes=predicted
     )
     table = Table(title="what dpcs decided, per compiled graph")
-    columns = ("graph", "mode", "nodes fwd/bwd", "saved", "recomputed", "offloaded", "budget", "plan", "predicted peak",
-               "peak at", "dpcs time")
+    columns = ("graph", "mode", "precision", "nodes fwd/bwd", "saved", "recomputed", "offloaded", "budget", "plan",
+               "predicted peak", "peak at", "dpcs time")
     for column in columns:
         table.add_column(column)
     for r in compile_records():
         table.add_row(
-            r.graph, r.mode, f"{r.forward_nodes}/{r.backward_nodes}", f"{r.saved_values} values, {format_bytes(r.saved_bytes)}",
+            r.graph, r.mode, r.precision + (f", {r.fp8_linears} fp8 linears" if r.fp8_linears else ""),
+            f"{r.forward_nodes}/{r.backward_nodes}", f"{r.saved_values} values, {format_bytes(r.saved_bytes)}",
             str(r.recomputed_values), str(r.offloaded_values), format_bytes(r.budget_bytes),
             "-" if r.plan_feasible is None else "fits" if r.plan_feasible else "over budget",
             format_bytes(r.predicted_peak_bytes), r.peak_node or "-", f"{sum(r.pass_seconds.values()):.2f} s",

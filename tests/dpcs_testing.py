@@ -5,7 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+import contextlib
+import importlib.util
+import sys
 import warnings
+from pathlib import Path
 
 from dpcs_compiler import clear_compile_records, compile_records
 from dpcs_compiler.measure import measure_training_step
@@ -59,3 +63,17 @@ def reachable_range(w, compiler: str, **options) -> tuple[int, int]:
     assert lowest.plan_feasible is False and highest.plan_feasible is True
     assert highest.recomputed_values == 0 and lowest.recomputed_values > 0
     return lowest.predicted_peak_bytes, highest.predicted_peak_bytes
+
+
+@contextlib.contextmanager
+def benchmark_script(name: str):
+    """benchmarks/<name>.py of this checkout, loaded as a module (scripts, not part of the package)."""
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"dpcs_{name}_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)

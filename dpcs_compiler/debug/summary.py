@@ -111,6 +111,7 @@ def summary_table(summaries: Sequence[dict[str, Any]], root: Path | None = None)
     table.add_column("dynamo id", no_wrap=True)
     table.add_column("mode")
     table.add_column("compiler")
+    table.add_column("precision")
     for header in NODE_COUNTS:
         table.add_column(f"{header}\nnodes", justify="right")
     table.add_column("saved", justify="right", no_wrap=True)
@@ -126,6 +127,7 @@ def summary_table(summaries: Sequence[dict[str, Any]], root: Path | None = None)
             _dynamo_id(summary),
             str(summary.get("mode", "-")),
             str(summary.get("compiler", "-")),
+            _precision_cell(summary),
             *(_count(summary.get(f"{part}_nodes"), summary, part) for part in NODE_COUNTS),
             format_bytes(summary.get("saved_bytes")),
             format_bytes(summary.get("predicted_peak_bytes")),
@@ -136,6 +138,15 @@ def summary_table(summaries: Sequence[dict[str, Any]], root: Path | None = None)
             _fallback_cell(summary),
         )
     return table
+
+
+def _precision_cell(summary: dict[str, Any]) -> str:
+    """The graph's low dtype, and how many of its linears run in fp8 (summaries older than it show "-")."""
+    precision = summary.get("precision")
+    if precision is None:
+        return "-"
+    fp8 = summary.get("fp8_linears", 0)
+    return f"{precision}, {fp8} fp8 linears" if fp8 else precision
 
 
 def _plan_cell(summary: dict[str, Any]) -> str:

@@ -3,15 +3,15 @@ budget and target logic on synthetic results, a failing strategy recorded, and t
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from dpcs_compiler import cli
+
+from dpcs_testing import benchmark_script
 
 REPO = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -20,12 +20,8 @@ MiB = 2**20
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("dpcs_bench_under_test", REPO / "benchmarks" / "bench.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    with benchmark_script("bench") as module:
+        yield module
 
 
 @pytest.fixture(scope="module")

@@ -64,8 +64,8 @@ TINY_MLP = textwrap.dedent(
     """
 )
 
-COLUMNS = ["graph", "dynamo id", "mode", "compiler", "dynamo", "joint", "forward", "backward", "saved", "peak",
-           "budget", "plan", "peak node", "pass time", "fallback"]
+COLUMNS = ["graph", "dynamo id", "mode", "compiler", "precision", "dynamo", "joint", "forward", "backward", "saved",
+           "peak", "budget", "plan", "peak node", "pass time", "fallback"]
 
 # Each kind of file a training graph's folder must hold, as a glob.
 EXPECTED_FILES = [

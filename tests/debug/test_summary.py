@@ -37,7 +37,7 @@ def dumps(tmp_path):
     root = tmp_path / "dumps"
     write_record(
         root / "graph_000", compile_id="0/0", dynamo_nodes=9, joint_nodes=31, forward_nodes=11, backward_nodes=25,
-        saved_bytes=1024, predicted_peak_bytes=7072, peak_node="sum_2",
+        saved_bytes=1024, predicted_peak_bytes=7072, peak_node="sum_2", precision="bf16", fp8_linears=3,
         pass_seconds={"joint/analyses": 0.25, "partition/min_cut": 0.5},
     )
     write_record(
@@ -88,10 +88,11 @@ def test_summary_table_has_one_row_per_graph(dumps):
             if line.startswith("│")}
     assert set(rows) == {"graph_000", "graph_001", "graph_002", "run2/graph_000"}
     assert rows["graph_000"] == [
-        "0/0", "training", "eager", "9", "31", "11", "25", "1.00 KiB", "6.91 KiB", "-", "-", "sum_2", "0.750 s", "no",
+        "0/0", "training", "eager", "bf16, 3 fp8 linears", "9", "31", "11", "25", "1.00 KiB", "6.91 KiB", "-", "-",
+        "sum_2", "0.750 s", "no",
     ]
-    assert rows["run2/graph_000"][:7] == ["1/0 (attempt 1)", "inference", "eager", "4", "-", "5", "-"]
-    assert rows["run2/graph_000"][8:12] == ["3.00 MiB", "-", "-", "addmm"]
+    assert rows["run2/graph_000"][:8] == ["1/0 (attempt 1)", "inference", "eager", "fp32", "4", "-", "5", "-"]
+    assert rows["run2/graph_000"][9:13] == ["3.00 MiB", "-", "-", "addmm"]
     assert rows["graph_001"][0] == "-"
     assert rows["graph_001"][-1] == "yes"
     assert rows["graph_002"][-1] == "incomplete"
