@@ -9,7 +9,7 @@ graph), with the figures measured on torch 2.13 CPU:
   bias, which collects the error of every fp8 matmul after it); loss within 1%. A single fp8 linear meets
   >= 28 dB on its output and >= 23 dB on its gradients (tests/runtime/test_fp8.py).
 - 50 steps of AdamW: the bf16 loss stays within 1% of fp32's at every step (measured 0.05%), fp8 within
-  5% (measured 1.8-2.0%).
+  5% (measured 1.75-2.73%, benchmarks/results/precision_cpu.json).
 """
 
 from __future__ import annotations
