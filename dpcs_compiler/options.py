@@ -119,13 +119,13 @@ class Fp8Options:
 
     @classmethod
     def parse(cls, value: Any) -> Fp8Options | None:
-        if value is None or isinstance(value, Fp8Options):
-            return value
+        if value is None or value is False or isinstance(value, Fp8Options):
+            return value or None
         if value is True:
             return cls()
         if not isinstance(value, Mapping):
             raise ValueError(
-                f"dpcs option 'fp8'={value!r} is not valid; valid choices: None, True, or a dict with keys "
+                f"dpcs option 'fp8'={value!r} is not valid; valid choices: None, False, True, or a dict with keys "
                 "'recipe', 'filter', 'min_size', 'margin', 'matmul', 'grad_dtype'"
             )
         valid = [f.name for f in dataclasses.fields(cls)]
@@ -154,7 +154,7 @@ class DpcsOptions:
         reductions, norms, softmax and losses in fp32 (`passes/rewrite/precision.py`). fp16 needs loss
         scaling (torch.amp.GradScaler).
     keep_fp32: module-name patterns (fnmatch, e.g. ["lm_head", "*.norm"]) whose ops all stay in fp32.
-    fp8: None, or the fp8 linear regions (`Fp8Options`, given as a dict; True for the defaults).
+    fp8: None (or False), or the fp8 linear regions (`Fp8Options`, given as a dict; True for the defaults).
     detect_overflow: whether the compiled backward raises a device-side flag when a gradient is inf or NaN
         (`runtime/overflow.py`); None: on for fp16 and fp8, off otherwise.
     """

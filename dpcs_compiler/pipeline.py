@@ -50,7 +50,7 @@ from dpcs_compiler.passes.analysis.fusion import inductor_fusion
 from dpcs_compiler.passes.analysis.inductor_schedule import ScheduledPeak, probe_available, probe_scheduled_peak
 from dpcs_compiler.passes.analysis.memory_timeline import MemoryTimeline
 from dpcs_compiler.passes.infra import AnalysisCache, PassContext, PassTimer, Rewrite, run_rewrites
-from dpcs_compiler.passes.analysis.op_sites import example_value, op_sites
+from dpcs_compiler.passes.analysis.op_sites import OpSite, example_value, op_sites
 from dpcs_compiler.passes.rewrite.fp8 import Fp8Regions
 from dpcs_compiler.passes.rewrite.fusion_guard import planned_fusion_choices
 from dpcs_compiler.passes.rewrite.precision import DTYPES, PrecisionCasts
@@ -61,7 +61,7 @@ from dpcs_compiler.plan import Plan, ValueDecision
 from dpcs_compiler.report import CompileRecord, add_record
 from dpcs_compiler.runtime.fp8 import scaled_mm_supported
 from dpcs_compiler.solve import solve
-from dpcs_compiler.solve.precision import plan_precision
+from dpcs_compiler.solve.precision import matching_pattern, plan_precision
 from dpcs_compiler.solve.solution import measured_solution
 
 log = logging.getLogger("dpcs.pipeline")
@@ -510,12 +510,15 @@ def plan_precision_stage(job: GraphJob, gm: fx.GraphModule) -> None:
     with job.ctx.instrumented("pre_autograd", "plan_precision"):
         sites = job.ctx.analyses.get(op_sites, gm)
         matmul = options.fp8.matmul if options.fp8 is not None else "scaled_mm"
+        weight_grad_dtype = None
         if options.fp8 is not None and matmul == "auto":
             device = graph_device(gm)
-            # Outputs in the region's dtype (forward, input gradient) and the fp32 weight's (weight gradient).
-            out_dtypes = {DTYPES[options.precision], torch.float32}
-            supported = all(scaled_mm_supported(device, options.fp8.recipe, dtype) for dtype in out_dtypes)
-            matmul = "scaled_mm" if supported else "emulated"
+            # Outputs in the region's dtype (forward, input gradient) and, for the weight gradient, the fp32
+            # weight's, or else the region's and then cast.
+            region = DTYPES[options.precision]
+            matmul = "scaled_mm" if scaled_mm_supported(device, options.fp8.recipe, region) else "emulated"
+            if matmul == "scaled_mm" and not scaled_mm_supported(device, options.fp8.recipe, torch.float32):
+                weight_grad_dtype = options.precision
             if matmul == "emulated":
                 warnings.warn(
                     f"torch._scaled_mm does not run the {options.fp8.recipe} fp8 recipe on {device}: dpcs emulates the "
@@ -523,8 +526,10 @@ def plan_precision_stage(job: GraphJob, gm: fx.GraphModule) -> None:
                     stacklevel=2,
                 )
         ops, linears = plan_precision(
-            sites, precision=options.precision, keep_fp32=options.keep_fp32, fp8=options.fp8, fp8_matmul=matmul
+            sites, precision=options.precision, keep_fp32=options.keep_fp32, fp8=options.fp8, fp8_matmul=matmul,
+            fp8_weight_grad_dtype=weight_grad_dtype,
         )
+        warn_unmatched_patterns(sites, options)
         job.ctx.plan = dataclasses.replace(job.plan, precision_ops=ops, fp8_linears=linears)
     job.record.cast_ops = sum(d.dtype != "fp8" for d in ops)
     job.record.fp8_linears = sum(d.fp8 for d in linears)
@@ -532,6 +537,21 @@ def plan_precision_stage(job: GraphJob, gm: fx.GraphModule) -> None:
         "%s: precision %s, %d ops with a dtype decision, %d of %d linears in fp8",
         job.record.graph, options.precision, job.record.cast_ops, job.record.fp8_linears, len(linears),
     )
+
+
+def warn_unmatched_patterns(sites: Sequence[OpSite], options: DpcsOptions) -> None:
+    """A keep_fp32 or fp8 filter pattern that names no module of the graph is most likely a typo."""
+    patterns = [("keep_fp32", p) for p in options.keep_fp32]
+    if options.fp8 is not None:
+        patterns += [("fp8.filter", p) for p in options.fp8.filter]
+    modules = {m for site in sites for m in site.modules}
+    for option, pattern in patterns:
+        if matching_pattern(sorted(modules), [pattern]) is None:
+            warnings.warn(
+                f"dpcs option {option!r} pattern {pattern!r} matches no module of this graph; its modules are "
+                f"named as model.named_modules() names them, e.g. {sorted(modules - {''})[:5]}",
+                stacklevel=3,
+            )
 
 
 def graph_device(gm: fx.GraphModule) -> torch.device:

@@ -43,8 +43,8 @@ class PrecisionDecision:
     node: str
     module: str  # the innermost module the op belongs to ("" for the top level)
     op: str
-    dtype: str  # "fp32", "bf16" or "fp16"
-    rule: str  # e.g. "lower precision op", "fp32 op", "keep_fp32 'lm_head'"
+    dtype: str  # "fp32", "bf16", "fp16"; "widest" (of the op's inputs); "fp8" (an fp8 linear region)
+    rule: str  # e.g. "autocast lower-precision op", "autocast fp32 op", "keep_fp32 'lm_head'"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +62,7 @@ class Fp8Decision:
     matmul: str | None = None  # "scaled_mm" | "emulated"
     margin: float = 0.0  # scales are amax-based, divided by 2**margin
     grad_dtype: str | None = None  # the output gradient's fp8 format: "e5m2" | "e4m3"
+    weight_grad_dtype: str | None = None  # what the weight-gradient matmul outputs, if not the weight's dtype
 
 
 @dataclasses.dataclass(frozen=True)

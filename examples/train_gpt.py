@@ -1,7 +1,7 @@
 """A small GPT trained through the dpcs backend: the README's main job.
 
     python examples/train_gpt.py [--steps 20] [--batch 8] [--layers 2] [--compiler inductor|eager] [--device cpu]
-                                 [--budget-fraction 0.8] [--precision fp32|bf16|fp16] [--fp8 tensorwise|rowwise]
+                                 [--budget-fraction 0.8] [--precision fp32|bf16] [--fp8 tensorwise|rowwise]
 
 Trains the model through dpcs with a memory budget of `--budget-fraction` times the peak the same step
 measures without a plan (torch's min-cut partition), then prints what dpcs decided for each compiled
@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--compiler", choices=["inductor", "eager"], default="inductor")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--budget-fraction", type=float, default=0.8, help="budget / the unplanned measured peak")
-    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="fp16 needs a GradScaler loop")
     parser.add_argument("--fp8", choices=["tensorwise", "rowwise"], default=None, help="fp8 linears with this recipe")
     args = parser.parse_args()
     precision = {"precision": args.precision, "fp8": None if args.fp8 is None else {"recipe": args.fp8, "min_size": 64}}

@@ -77,3 +77,33 @@ def benchmark_script(name: str):
         yield module
     finally:
         sys.modules.pop(spec.name, None)
+
+
+class PrecisionToy(torch.nn.Module):
+    """A linear, a norm, a matmul re-reading the linear's weight, a softmax, a head: casts in both directions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(32, 32)
+        self.norm = torch.nn.LayerNorm(32)
+        self.head = torch.nn.Linear(32, 16, bias=False)
+
+    def forward(self, x):
+        h = self.norm(self.proj(x))
+        a = h @ self.proj.weight  # reads the weight the linear already cast
+        return self.head(a.softmax(-1)) * 2.0
+
+
+class WritesBetweenReads(torch.nn.Module):
+    """A value read by a linear, written in place, and read by another linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(16, 16)
+        self.second = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        y = x * 1.0
+        a = self.first(y)
+        y.mul_(100.0)
+        return a + self.second(y)

@@ -95,3 +95,40 @@ def test_a_new_budget_changes_the_compile_key():
         Plan("g", DpcsOptions.from_dict({"memory_budget": b}).fingerprint()).compile_key() for b in (None, 10**9, 10**8)
     }
     assert len(keys) == 3
+
+
+def test_precision_options_and_their_defaults():
+    options = DpcsOptions.from_dict({"precision": "bf16", "keep_fp32": ["lm_head", "*.norm"], "fp8": {"min_size": 64}})
+    assert options.keep_fp32 == ("lm_head", "*.norm") and options.fp8.min_size == 64
+    assert (options.fp8.recipe, options.fp8.filter, options.fp8.matmul, options.fp8.grad_dtype) == (
+        "tensorwise", ("*",), "auto", "e5m2")
+    assert options.overflow_detected  # on for fp8 (and fp16) unless asked otherwise
+    assert not DpcsOptions.from_dict({"precision": "bf16"}).overflow_detected
+    assert DpcsOptions.from_dict({"precision": "fp16", "detect_overflow": False}).overflow_detected is False
+    assert DpcsOptions.from_dict({"fp8": True}).fp8.min_size == 1024
+    assert DpcsOptions.from_dict({"fp8": False}).fp8 is None
+    fingerprints = {DpcsOptions.from_dict(o).fingerprint() for o in (
+        {}, {"precision": "bf16"}, {"precision": "bf16", "fp8": True}, {"precision": "bf16", "keep_fp32": ["x"]})}
+    assert len(fingerprints) == 4  # each compiles other code: each has its own compile key
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"precision": "fp64"}, r"'precision'='fp64' is not valid; valid choices: 'fp32', 'bf16', 'fp16'"),
+        ({"keep_fp32": "lm_head"}, r"'keep_fp32'='lm_head' is not valid; valid choices: a list of module-name patterns"),
+        ({"keep_fp32": ["ok", ""]}, r"'keep_fp32'=\['ok', ''\] is not valid"),
+        ({"fp8": 3}, r"'fp8'=3 is not valid; valid choices: None, False, True, or a dict"),
+        ({"fp8": {"recipe": "blockwise"}}, r"'fp8.recipe'='blockwise' is not valid; valid choices: 'tensorwise', 'rowwise'"),
+        ({"fp8": {"min_size": 8}}, r"'fp8.min_size'=8 is not valid; valid choices: an int >= 16"),
+        ({"fp8": {"margin": -1}}, r"'fp8.margin'=-1 is not valid; valid choices: a number in \[0, 16\]"),
+        ({"fp8": {"matmul": "cublas"}}, r"'fp8.matmul'='cublas' is not valid; valid choices: 'auto', 'scaled_mm', 'emulated'"),
+        ({"fp8": {"grad_dtype": "e3m4"}}, r"'fp8.grad_dtype'='e3m4' is not valid; valid choices: 'e5m2', 'e4m3'"),
+        ({"fp8": {"filter": "mlp"}}, r"'fp8.filter'='mlp' is not valid"),
+        ({"fp8": {"recipes": "rowwise"}}, r"unknown dpcs option 'fp8.recipes'; valid keys: 'recipe', 'filter'"),
+        ({"detect_overflow": "yes"}, r"'detect_overflow'='yes' is not valid; valid choices: None, True, False"),
+    ],
+)
+def test_bad_precision_options_name_themselves(bad, message):
+    with pytest.raises(ValueError, match=message):
+        DpcsOptions.from_dict(bad)

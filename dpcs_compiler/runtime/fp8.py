@@ -118,7 +118,7 @@ class Fp8Linear(torch.autograd.Function):
     """y = x @ weight^T + bias with fp8 operands; see the module docstring for what each matmul casts."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe, margin, matmul, out_dtype, grad_dtype=E5M2):
+    def forward(ctx, x, weight, bias, recipe, margin, matmul, out_dtype, grad_dtype=E5M2, weight_grad_dtype=None):
         in_features = weight.shape[1]
         x2d = x.reshape(-1, in_features)
         if recipe == "tensorwise":
@@ -139,6 +139,7 @@ class Fp8Linear(torch.autograd.Function):
             saved_x = (x2d, None) if needs_grad_w else (None, None)
         ctx.save_for_backward(*saved_x, weight if needs_grad_x else None)
         ctx.recipe, ctx.margin, ctx.matmul, ctx.grad_dtype = recipe, margin, matmul, grad_dtype
+        ctx.weight_grad_dtype = weight_grad_dtype or weight.dtype
         ctx.x_shape, ctx.x_dtype, ctx.weight_dtype = x.shape, x.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         return out.reshape(*x.shape[:-1], weight.shape[0])
@@ -158,7 +159,7 @@ class Fp8Linear(torch.autograd.Function):
                 w_fp8, w_inv = quantize(weight, E4M3, margin=margin)
                 grad_x = scaled_matmul(g_fp8, g_inv, w_fp8, w_inv, ctx.x_dtype, matmul)
             if needs_grad_w:
-                grad_w = scaled_matmul(g_fp8.t(), g_inv, saved_x, saved_x_inv, ctx.weight_dtype, matmul)
+                grad_w = scaled_matmul(g_fp8.t(), g_inv, saved_x, saved_x_inv, ctx.weight_grad_dtype, matmul)
         else:
             if needs_grad_x:
                 g_fp8, g_inv = quantize(g, ctx.grad_dtype, dim=-1, margin=margin)  # [M, 1]
@@ -167,13 +168,15 @@ class Fp8Linear(torch.autograd.Function):
             if needs_grad_w:
                 g_fp8, g_inv = quantize(g, ctx.grad_dtype, dim=0, margin=margin)  # [1, N]
                 x_fp8, x_inv = quantize(saved_x, E4M3, dim=0, margin=margin)  # [1, K]
-                grad_w = scaled_matmul(g_fp8.t(), _as_column(g_inv), x_fp8, x_inv, ctx.weight_dtype, matmul)
+                grad_w = scaled_matmul(g_fp8.t(), _as_column(g_inv), x_fp8, x_inv, ctx.weight_grad_dtype, matmul)
 
         if grad_x is not None:
             grad_x = grad_x.reshape(ctx.x_shape)
+        if grad_w is not None:
+            grad_w = grad_w.to(ctx.weight_dtype)
         if needs_grad_b:
             grad_b = g.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
 def fp8_linear(
@@ -186,10 +189,13 @@ def fp8_linear(
     matmul: str = "scaled_mm",
     out_dtype: torch.dtype | None = None,
     grad_dtype: str = "e5m2",
+    weight_grad_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)` with fp8 matmuls in forward and backward; x [..., K], weight [N, K].
 
     The output is in `out_dtype` (default x.dtype), the gradients in the dtypes of x, weight and bias.
+    `weight_grad_dtype` is what the weight-gradient matmul outputs before the cast to the weight's dtype
+    (default the weight's: CUDA's `_scaled_mm` gives rowwise results only in bf16 on most builds).
     K and N must be multiples of 16.
     """
     _check_choice("recipe", recipe, RECIPES)
@@ -207,7 +213,9 @@ def fp8_linear(
         )
     if bias is not None and bias.shape != (out_features,):
         raise ValueError(f"fp8_linear needs bias [N={out_features}]; got {tuple(bias.shape)}")
-    return Fp8Linear.apply(x, weight, bias, recipe, float(margin), matmul, out_dtype or x.dtype, GRAD_DTYPES[grad_dtype])
+    return Fp8Linear.apply(
+        x, weight, bias, recipe, float(margin), matmul, out_dtype or x.dtype, GRAD_DTYPES[grad_dtype], weight_grad_dtype
+    )
 
 
 def scaled_mm_supported(device: torch.device | str, recipe: str, out_dtype: torch.dtype) -> bool:

@@ -3,8 +3,9 @@
 A pure function of the graph's `OpSite`s and the options. The reference is torch.autocast's CUDA op
 lists (torch.amp docs, "CUDA Ops that can autocast to float16 / float32"): ops on the lower-precision list
 run in the low dtype (their floating inputs are cast to it), ops on the fp32 list run in fp32 (their
-low-precision inputs are cast up), every other op runs in the dtype its inputs promote to. Where dpcs
-differs, and why:
+low-precision inputs are cast up), ops on the promote list (cat, stack, addcmul, dot, grid_sample...) get
+their floating inputs cast to the widest of them, and every other op runs in the dtype its inputs promote
+to (or, for ops that do not promote, in its inputs' dtype). Where dpcs differs, and why:
 
 - One list on every device. CPU autocast keeps other lists (it runs layer_norm in bf16, for one); a
   plan means the same numerics on the machine that tests it and the one that trains.
@@ -14,8 +15,12 @@ differs, and why:
 - Mean, var and std reductions run in fp32 with sum and prod (autocast leaves them in the low dtype,
   accumulating in fp32 inside but rounding the result).
 - binary_cross_entropy runs in fp32 instead of raising (autocast refuses it as unsafe under fp16).
+- lerp promotes its operands like the promote list (it needs one dtype; autocast lists it nowhere).
 - `keep_fp32` patterns keep whole modules in fp32 (autocast can only be switched off in code).
 - A linear on the fp8 list (`Fp8Options`) runs as an fp8 matmul with its output in the region's dtype.
+- Python code that branches on a tensor's dtype (`if x.dtype == torch.float16: x = x.clamp(...)`,
+  `torch.finfo(x.dtype)`, `x.to(y.dtype)`) was traced by Dynamo with the model's own dtypes and is baked
+  into the graph as such; under autocast it sees the low dtype.
 """
 
 from __future__ import annotations
@@ -26,13 +31,14 @@ from collections.abc import Sequence
 from dpcs_compiler.options import Fp8Options
 from dpcs_compiler.passes.analysis.op_sites import OpSite
 from dpcs_compiler.plan import Fp8Decision, PrecisionDecision
+from dpcs_compiler.runtime.fp8 import DIM_MULTIPLE
 
 # torch.autocast's CUDA lower-precision list, as torch-level names.
 LOWER_PRECISION_OPS = frozenset({
     "linear", "matmul", "mm", "bmm", "addmm", "addbmm", "baddbmm", "addmv", "addr", "mv", "chain_matmul",
     "multi_dot", "vecdot", "einsum", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d",
     "conv_transpose2d", "conv_transpose3d", "convolution", "prelu", "scaled_dot_product_attention",
-    "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
+    "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell", "linalg_vecdot", "linalg_multi_dot",
 })
 # torch.autocast's CUDA fp32 list.
 AUTOCAST_FP32_OPS = frozenset({
@@ -42,20 +48,30 @@ AUTOCAST_FP32_OPS = frozenset({
     "layer_norm", "group_norm", "binary_cross_entropy_with_logits", "cross_entropy", "nll_loss", "mse_loss",
     "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div", "poisson_nll_loss", "cosine_embedding_loss",
     "hinge_embedding_loss", "margin_ranking_loss", "multilabel_margin_loss", "soft_margin_loss",
-    "triplet_margin_loss", "multi_margin_loss", "vector_norm", "matrix_norm",
+    "triplet_margin_loss", "multi_margin_loss", "vector_norm", "matrix_norm", "linalg_vector_norm",
+    "linalg_matrix_norm", "special_logsumexp", "special_expm1", "special_log1p", "special_softmax",
+    "special_log_softmax",
+})
+# torch.autocast's CUDA promote list (floating inputs are cast to the widest of them), and lerp, which
+# needs its operands in one dtype and is on no autocast list.
+PROMOTE_OPS = frozenset({
+    "addcdiv", "addcmul", "atan2", "bilinear", "cross", "linalg_cross", "dot", "vdot", "grid_sample",
+    "grid_sampler", "index_put", "scatter_add", "tensordot", "cat", "concat", "concatenate", "stack", "lerp",
 })
 # Where dpcs keeps fp32 beyond autocast (see the module docstring).
 DPCS_FP32_OPS = frozenset({
     "batch_norm", "instance_norm", "rms_norm", "mean", "var", "std", "var_mean", "std_mean", "binary_cross_entropy",
 })
 FP32_OPS = AUTOCAST_FP32_OPS | DPCS_FP32_OPS
-FP8_ALIGNMENT = 16  # torch._scaled_mm needs every matmul dimension to be a multiple of 16
+FP8_ALIGNMENT = DIM_MULTIPLE  # torch._scaled_mm needs every matmul dimension to be a multiple of 16
+WIDEST = "widest"  # a decision's dtype for promote ops: the widest of the op's floating inputs
 
 
 def matching_pattern(modules: Sequence[str], patterns: Sequence[str]) -> str | None:
-    """The first pattern that names one of the modules (fnmatch, case-sensitive), or None."""
+    """The first pattern that names one of the modules (fnmatch, case-sensitive; "" is the root module,
+    which "*" matches), or None."""
     for pattern in patterns:
-        if any(fnmatch.fnmatchcase(module, pattern) for module in modules if module):
+        if any(fnmatch.fnmatchcase(module, pattern) for module in modules):
             return pattern
     return None
 
@@ -85,10 +101,12 @@ def plan_precision(
     keep_fp32: Sequence[str] = (),
     fp8: Fp8Options | None = None,
     fp8_matmul: str = "scaled_mm",
+    fp8_weight_grad_dtype: str | None = None,
 ) -> tuple[tuple[PrecisionDecision, ...], tuple[Fp8Decision, ...]]:
     """Per-op dtype decisions (only for ops that need casts) and one decision per linear when fp8 is on.
 
-    `fp8_matmul` is how the device runs fp8 matmuls ("scaled_mm" or "emulated", decided by a probe).
+    `fp8_matmul` is how the device runs fp8 matmuls ("scaled_mm" or "emulated", decided by a probe), and
+    `fp8_weight_grad_dtype` the dtype its weight-gradient matmuls output when the weight's is not available.
     """
     ops: list[PrecisionDecision] = []
     linears: list[Fp8Decision] = []
@@ -104,6 +122,7 @@ def plan_precision(
                 reason=why_not or f"{fp8.recipe} fp8 linear ({fp8_matmul})",
                 recipe=fp8.recipe if why_not is None else None, matmul=fp8_matmul if why_not is None else None,
                 margin=fp8.margin, grad_dtype=fp8.grad_dtype if why_not is None else None,
+                weight_grad_dtype=fp8_weight_grad_dtype if why_not is None else None,
             ))
             if why_not is None:
                 ops.append(PrecisionDecision(site.node, site.module, site.op, "fp8", "fp8 region"))
@@ -118,4 +137,6 @@ def plan_precision(
             ops.append(PrecisionDecision(site.node, site.module, site.op, "fp32", "autocast fp32 op"))
         elif site.op in DPCS_FP32_OPS:
             ops.append(PrecisionDecision(site.node, site.module, site.op, "fp32", "dpcs fp32 op"))
+        elif site.op in PROMOTE_OPS:
+            ops.append(PrecisionDecision(site.node, site.module, site.op, WIDEST, "autocast promote op"))
     return tuple(ops), tuple(linears)

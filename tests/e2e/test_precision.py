@@ -3,7 +3,7 @@ fp16 with GradScaler and the overflow flag.
 
 Tolerances per dtype, against the same step in fp32 eager PyTorch (a 2-layer GPT, d=64, loss inside the
 graph), with the figures measured on torch 2.13 CPU:
-- bf16: every gradient's SQNR >= 30 dB (measured >= 44 dB); loss within 0.5% (measured 0.0002%).
+- bf16: every gradient's SQNR >= 30 dB (measured >= 44 dB); loss within 0.5% (measured 0.0006%).
 - fp16: every gradient's SQNR >= 40 dB (measured >= 58 dB); loss within 0.1%.
 - fp8 (all 9 linears): every gradient's SQNR >= 14 dB, the median >= 20 dB (measured >= 18 dB, a norm's
   bias, which collects the error of every fp8 matmul after it); loss within 1%. A single fp8 linear meets
@@ -22,9 +22,10 @@ import statistics
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.testing import FileCheck
 
-from dpcs_testing import COMPILERS, dpcs_compile, measured_step, reachable_range
+from dpcs_testing import COMPILERS, WritesBetweenReads, dpcs_compile, measured_step, reachable_range
 from dpcs_compiler import compile_records
 from dpcs_compiler.cost.budget import WORKSPACE_FRACTION
 from dpcs_compiler.models import GPTConfig, LlamaLM, LlamaSize, MiniGPT, workload
@@ -137,7 +138,7 @@ def test_fp8_graphs_hold_fp8_matmuls_and_save_no_weight_copy(gpt_and_batch, tmp_
     FileCheck().check("torch.float8_e5m2").check("_scaled_mm.default(").run(backward)
     assert backward.count("_scaled_mm.default(") == 2 * LINEARS
     # What the forward saves for backward: no fp8 (or bf16) copy of a weight; the weights are recast.
-    weight_shapes = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
+    weight_shapes = {s for p in model.parameters() if p.dim() == 2 for s in (tuple(p.shape), tuple(p.shape)[::-1])}
     outputs = set(re.findall(r"\w+", forward[forward.rindex("return"):]))
     low_precision = re.findall(r"^\s*(\w+): \"(?:f8e4m3fn|f8e5m2|bf16)\[([\d, ]*)\]", forward, flags=re.M)
     saved = [(name, dims) for name, dims in low_precision if name in outputs]
@@ -197,7 +198,7 @@ def test_bf16_and_fp8_loss_curves_follow_fp32_for_50_steps():
         assert max(gaps) <= tolerance, (options, max(gaps))
 
 
-def test_bf16_saves_memory_predicted_to_the_byte():
+def test_bf16_saves_memory_and_its_peak_is_predicted():
     """fp32 vs bf16 through dpcs: both peaks predicted within 1% of the profiler's, bf16's at least 15% lower."""
     measured = {}
     for precision in ("fp32", "bf16"):
@@ -266,3 +267,103 @@ def test_overflow_detection_is_off_for_bf16_unless_asked(gpt_and_batch, tmp_path
     backward = {k: next((tmp_path / k).glob("*/*_backward.final.txt")).read_text() for k in ("off", "on")}
     assert "note_nonfinite" not in backward["off"]
     FileCheck().check("torch.ops.dpcs.note_nonfinite.default([").check("return").run(backward["on"])
+
+
+class ScalesItsWeight(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.proj.weight.mul_(0.5)
+        return self.proj(x).square().sum()
+
+
+def against_eager(model, inputs, **options):
+    """(dpcs output, eager output) of one forward of copies of `model`."""
+    reference = copy.deepcopy(model)
+    torch._dynamo.reset()
+    return dpcs_compile(copy.deepcopy(model), "eager", **options)(*inputs), reference(*inputs)
+
+
+def test_in_place_writes_keep_their_meaning():
+    out, expected = against_eager(WritesBetweenReads(), (torch.randn(4, 16),), precision="bf16")
+    assert sqnr_db(expected, out.float()) >= 30.0
+
+    # A bf16 model's BatchNorm updates its bf16 running statistics; an fp32 model's, under bf16, its fp32 ones.
+    for dtype in (torch.bfloat16, torch.float32):
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4)).to(dtype)
+        reference, compiled_model = copy.deepcopy(model), copy.deepcopy(model)
+        x = torch.randn(2, 3, 8, 8, dtype=dtype)
+        torch._dynamo.reset()
+        dpcs_compile(compiled_model, "eager", precision="bf16")(x)
+        reference(x)
+        statistics_ = compiled_model[1].running_mean
+        assert statistics_.dtype == dtype and statistics_.abs().sum() > 0
+        torch.testing.assert_close(statistics_, reference[1].running_mean, atol=2e-2, rtol=0)
+
+
+def test_a_parameter_the_step_writes_to_is_not_recast_from_its_new_value():
+    model = ScalesItsWeight()
+    reference, compiled_model = copy.deepcopy(model), copy.deepcopy(model)
+    x = torch.randn(32, 32)
+    x_dpcs, x_eager = x.clone().requires_grad_(), x.clone().requires_grad_()
+    dpcs_compile(compiled_model, "eager", fp8={**FP8, "matmul": "emulated"})(x_dpcs).backward()
+    reference(x_eager).backward()
+    (record,) = compile_records()
+    assert record.fp8_linears == 1 and record.recast_parameter_nodes == 0
+    assert sqnr_db(x_eager.grad, x_dpcs.grad) >= 20.0  # 2.7 dB when the backward recast the halved weight
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+GLOBAL_BLOCK = Block()
+
+
+def test_keep_fp32_on_a_model_a_compiled_function_calls(tmp_path):
+    def train_step(x):
+        return GLOBAL_BLOCK(x).float().sum()
+
+    dpcs_compile(train_step, "eager", precision="bf16", keep_fp32=["head"], dump_dir=tmp_path)(torch.randn(4, 16))
+    plan = json.loads(next(tmp_path.glob("*/00_plan.json")).read_text())
+    decided = {(d["module"], d["op"]): (d["dtype"], d["rule"]) for d in plan["precision_ops"]}
+    assert decided[("head", "linear")] == ("fp32", "keep_fp32 'head'")
+    assert decided[("body", "linear")] == ("bf16", "autocast lower-precision op")
+
+
+def test_fp8_on_a_root_linear_and_on_a_bf16_model():
+    out, expected = against_eager(torch.nn.Linear(32, 32), (torch.randn(16, 32),), fp8=FP8)
+    assert compile_records()[-1].fp8_linears == 1 and sqnr_db(expected, out) >= 25.0
+    # A bf16 model at the default precision: fp8 regions give bf16 outputs, as its linears did.
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16)).to(torch.bfloat16)
+    out, expected = against_eager(model, (torch.randn(16, 32, dtype=torch.bfloat16),), fp8=FP8)
+    assert out.dtype == torch.bfloat16 and compile_records()[-1].fp8_linears == 2
+    assert sqnr_db(expected.float(), out.float()) >= 20.0
+
+
+def test_a_pattern_that_names_no_module_warns():
+    with pytest.warns(UserWarning, match=r"'keep_fp32' pattern 'lm_haed' matches no module of this graph"):
+        against_eager(Block(), (torch.randn(4, 16),), precision="bf16", keep_fp32=["lm_haed"])
+
+
+def test_promote_ops_run_with_mixed_inputs():
+    class Warp(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 3, 3, padding=1)
+
+        def forward(self, x, grid):
+            return F.grid_sample(self.conv(x), grid, align_corners=False)  # a bf16 image, an fp32 grid
+
+    inputs = (torch.randn(2, 3, 8, 8), torch.rand(2, 4, 4, 2) * 2 - 1)
+    out, expected = against_eager(Warp(), inputs, precision="bf16")
+    assert out.dtype == torch.float32 and sqnr_db(expected, out) >= 30.0

@@ -399,3 +399,20 @@ def test_aot_graphs_with_the_emulated_matmul_have_no_scaled_mm(recipe):
     FileCheck().check("float8_e4m3fn").check_not("_scaled_mm").run(forward.code)
     FileCheck().check("float8_e5m2").check_not("_scaled_mm").run(backward.code)
     FileCheck().check_count("aten.mm", 2, exactly=True).run(backward.code)
+
+
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+def test_weight_gradient_through_a_bf16_matmul_output(recipe):
+    """For _scaled_mm builds that give rowwise results only in bf16: the weight gradient is made in bf16
+    and returned in the weight's dtype, within bf16 rounding of the fp32-output one."""
+    torch.manual_seed(0)
+    x, w = torch.randn(64, 128), torch.randn(32, 128)
+    grads = {}
+    for weight_grad_dtype in (None, torch.bfloat16):
+        weight = w.clone().requires_grad_()
+        out = fp8.fp8_linear(x, weight, recipe=recipe, matmul="emulated", weight_grad_dtype=weight_grad_dtype)
+        out.backward(torch.ones_like(out))
+        grads[weight_grad_dtype] = weight.grad
+    assert grads[torch.bfloat16].dtype == torch.float32
+    torch.testing.assert_close(grads[torch.bfloat16], grads[None], rtol=2**-8, atol=0)
+    assert not torch.equal(grads[torch.bfloat16], grads[None])  # it really went through bf16

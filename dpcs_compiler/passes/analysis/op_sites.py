@@ -31,11 +31,13 @@ _OPERATOR_NAMES = {
     operator.sub: "sub",
 }
 _METHOD_ALIASES = {"__matmul__": "matmul", "__pow__": "pow", "__rpow__": "rpow", "__rtruediv__": "rtruediv",
-                   "__rdiv__": "rtruediv", "float": "float", "__truediv__": "truediv"}
+                   "__rdiv__": "rtruediv", "__truediv__": "truediv"}
 
 
 @dataclasses.dataclass(frozen=True)
 class LinearShape:
+    """A linear's sizes at the traced shapes."""
+
     in_features: int
     out_features: int
     tokens: int  # rows of the input flattened to 2-D
@@ -43,9 +45,11 @@ class LinearShape:
 
 @dataclasses.dataclass(frozen=True)
 class OpSite:
+    """One call of the Dynamo graph: its node's name, its op's name, the modules it runs in."""
+
     node: str
     op: str
-    modules: tuple[str, ...]  # enclosing modules, outermost first ("" is the root module)
+    modules: tuple[str, ...]  # enclosing modules, outermost first: "" (the root model), then its children
     linear: LinearShape | None = None
 
     @property
@@ -53,17 +57,23 @@ class OpSite:
         return self.modules[-1] if self.modules else ""
 
 
-def module_name(stack_path: str) -> str:
-    """`L['self'].blocks[0]._modules['attn']` or `L['self'].blocks.0.attn` -> `blocks.0.attn`."""
-    path = re.sub(r"^L\['[^']*'\]", "", stack_path)
+def module_name(stack_path: str, root: str = "") -> str:
+    """A module-stack path relative to the root module's, as `named_modules()` spells it:
+    `L['self'].blocks[0]._modules['attn']` or `L['self'].blocks.0.attn` (root `L['self']`) -> `blocks.0.attn`."""
+    path = stack_path[len(root):] if root and stack_path.startswith(root) else re.sub(r"^[LG]\['[^']*'\]", "", stack_path)
     path = re.sub(r"\._modules\['([^']*)'\]", r".\1", path)
     path = re.sub(r"\['([^']*)'\]|\[(\d+)\]", lambda m: "." + (m.group(1) or m.group(2)), path)
     return path.lstrip(".")
 
 
 def module_stack(node: fx.Node) -> tuple[str, ...]:
-    stack = node.meta.get("nn_module_stack") or {}
-    return tuple(module_name(path) for path, _ in stack.values())
+    """The modules a node runs in, outermost first, named relative to the root model: the module compiled
+    (`L['self']`, never itself on the stack), or else the outermost module the compiled function called
+    (`L['model']`, `G['model']`, `G['trainer'].model`). The root, "", comes first: every op runs in it."""
+    paths = [path for path, _ in (node.meta.get("nn_module_stack") or {}).values()]
+    root = "L['self']" if paths and paths[0].startswith("L['self']") else paths[0] if paths else ""
+    names = tuple(module_name(path, root) for path in paths)
+    return names if names[:1] == ("",) else ("", *names)
 
 
 def op_name(node: fx.Node) -> str | None:
@@ -85,13 +95,21 @@ def op_name(node: fx.Node) -> str | None:
 
 
 def example_value(node: Any) -> Any:
+    """The fake value Dynamo traced for a node (None for constants)."""
     return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else None
 
 
+def linear_operands(node: fx.Node) -> tuple[Any, Any, Any]:
+    """(input, weight, bias) of a `torch._C._nn.linear` call, however its arguments were passed."""
+    values = list(node.args) + [None] * (3 - len(node.args))
+    for i, name in enumerate(("input", "weight", "bias")):
+        if name in node.kwargs:
+            values[i] = node.kwargs[name]
+    return tuple(values)
+
+
 def _linear_shape(node: fx.Node, shape_env: Any | None) -> LinearShape | None:
-    x = example_value(node.args[0]) if node.args else None
-    weight_node = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
-    weight = example_value(weight_node)
+    x, weight, _ = (example_value(a) for a in linear_operands(node))
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         return None
     out_features, in_features = (hint_int(to_sympy(d), shape_env) for d in weight.shape)

@@ -14,19 +14,10 @@ from typing import ClassVar
 
 import torch.fx as fx
 
+from dpcs_compiler.passes.analysis.op_sites import linear_operands
 from dpcs_compiler.passes.infra import PassContext, Rewrite
 from dpcs_compiler.passes.rewrite.precision import DTYPES, fake_mode_of, refresh_example_value, refuse_unsupported
 from dpcs_compiler.runtime.fp8 import fp8_linear
-
-
-def linear_operands(node: fx.Node) -> tuple[object, object, object]:
-    """(input, weight, bias) of a `torch._C._nn.linear` call, however its arguments were passed."""
-    names = ("input", "weight", "bias")
-    values = list(node.args) + [None] * (3 - len(node.args))
-    for i, name in enumerate(names):
-        if name in node.kwargs:
-            values[i] = node.kwargs[name]
-    return tuple(values)
 
 
 class Fp8Regions(Rewrite):
@@ -39,7 +30,8 @@ class Fp8Regions(Rewrite):
         if not chosen:
             return False
         refuse_unsupported(gm)
-        out_dtype = DTYPES[ctx.plan.precision]
+        # fp32 regions: the output in the input's dtype, as F.linear gives it (a bf16 model stays bf16).
+        out_dtype = None if ctx.plan.precision == "fp32" else DTYPES[ctx.plan.precision]
         nodes = {n.name: n for n in gm.graph.nodes}
         for name, decision in chosen.items():
             node = nodes[name]
@@ -48,9 +40,12 @@ class Fp8Regions(Rewrite):
             node.kwargs = {
                 "recipe": decision.recipe, "margin": decision.margin, "matmul": decision.matmul, "out_dtype": out_dtype,
                 "grad_dtype": decision.grad_dtype,
+                "weight_grad_dtype": DTYPES[decision.weight_grad_dtype] if decision.weight_grad_dtype else None,
             }
             with fake_mode_of(gm):
                 refresh_example_value(gm, node)
-        # Later ops see the regions' outputs in the region's dtype when the precision casts re-derive the
-        # graph's dtypes (they run next, and cast what must agree, e.g. attention's query, key and value).
+            for user in node.users:
+                # The precision casts re-derive these from the region's output dtype (they run next, and cast
+                # what must agree, e.g. attention's query, key and value).
+                user.meta["dpcs_stale"] = True
         return True

@@ -19,6 +19,7 @@ import torch.fx as fx
 from torch._functorch import partitioners
 from torch._functorch.partitioners import default_partition
 from torch.utils.checkpoint import CheckpointPolicy
+from torch.utils.flop_counter import flop_registry
 
 from dpcs_compiler.cost.memory_model import OFFLOAD, RECOMPUTE, SAVE
 from dpcs_compiler.passes.analysis.planning import PlanningGraph, is_random
@@ -123,17 +124,26 @@ def recast_parameters_in_backward(joint: fx.GraphModule, parameters: frozenset[f
     extra memory (2 bytes a parameter for bf16, 1 for fp8), which min-cut does not see: it counts the
     parameter's own bytes against the copy's. Recasting costs one pass over the weight per step, small
     beside the matmuls that read it. Ops with a FLOP formula (a matmul of weights) end a chain: recomputing
-    those is not cheap. Returns the number of nodes tagged.
+    those is not cheap. A parameter the step writes to (`weight.mul_(0.5)` under no_grad, functionalized
+    into a `copy_` back to it) is left out: made again in backward, its copy would read the new value.
+    Returns the number of nodes tagged.
     """
-    from torch.utils.flop_counter import flop_registry
-
+    written = {n.args[0] for n in joint.graph.nodes if _is_mutating(n) and n.args}
+    sources = parameters - written
     derived: set[fx.Node] = set()
     for node in joint.graph.nodes:
-        if node.op != "call_function" or is_random(node) or getattr(node.target, "overloadpacket", None) in flop_registry:
+        if node.op != "call_function" or is_random(node) or _is_mutating(node):
+            continue
+        if getattr(node.target, "overloadpacket", None) in flop_registry:
             continue
         inputs = node.all_input_nodes
-        if inputs and all(i in parameters or i in derived for i in inputs):
+        if inputs and all(i in sources or i in derived for i in inputs):
             derived.add(node)
     for node in derived:
         node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
     return len(derived)
+
+
+def _is_mutating(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return node.op == "call_function" and schema is not None and schema.is_mutable

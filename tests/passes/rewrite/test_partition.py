@@ -136,3 +136,27 @@ def test_user_checkpoint_regions_do_not_override_the_plan():
 
     out = planned_partition(step, mlp_inputs(), (1, 2, 3), lambda p: (SAVE,) * len(p.candidates))
     assert {"relu", "tanh"} <= set(saved_names(out["forward"], out["num_fwd_outputs"]))
+
+
+def test_parameter_casts_are_tagged_for_recomputation_and_min_cut_saves_no_copy():
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from dpcs_compiler.passes.rewrite.partition import recast_parameters_in_backward
+
+    def step(w, x):
+        w16 = w.to(torch.bfloat16)
+        scale = w16.abs().amax()
+        return ((x.to(torch.bfloat16) @ w16.t()) * scale).float().square().sum()
+
+    w, x = torch.randn(64, 32, requires_grad=True), torch.randn(16, 32, requires_grad=True)
+    graphs = trace_training(step, w, x)
+    parameters = frozenset([next(n for n in graphs.joint.graph.nodes if n.op == "placeholder")])
+    assert recast_parameters_in_backward(graphs.joint, parameters) >= 3  # the cast, abs and amax of w
+    tagged = [n for n in graphs.joint.graph.nodes if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE]
+    assert all(n.op == "call_function" for n in tagged)
+    assert not any(n.target is torch.ops.aten.mm.default for n in tagged)  # matmuls end the chains
+    forward, _ = min_cut_rematerialization_partition(graphs.joint, [w, x], num_fwd_outputs=graphs.num_fwd_outputs)
+    saved = next(n for n in forward.graph.nodes if n.op == "output").args[0][graphs.num_fwd_outputs:]
+    assert not [n for n in saved if n.meta["val"].dtype == torch.bfloat16 and tuple(n.meta["val"].shape) in ((64, 32), (32, 64))]
+

@@ -8,27 +8,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.testing import FileCheck
 
-from dpcs_testing import dynamo_graph
+from dpcs_testing import PrecisionToy, WritesBetweenReads, dynamo_graph
 from dpcs_compiler.options import Fp8Options
-from dpcs_compiler.passes.analysis.op_sites import module_name, op_sites
+from dpcs_compiler.passes.analysis.op_sites import op_sites
 from dpcs_compiler.passes.infra import AnalysisCache, PassContext, run_rewrites
 from dpcs_compiler.passes.rewrite.fp8 import Fp8Regions
 from dpcs_compiler.passes.rewrite.precision import PrecisionCasts
 from dpcs_compiler.plan import Plan
 from dpcs_compiler.solve.precision import plan_precision
-
-
-class Toy(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = nn.Linear(32, 32)
-        self.norm = nn.LayerNorm(32)
-        self.head = nn.Linear(32, 16, bias=False)
-
-    def forward(self, x):
-        h = self.norm(self.proj(x))
-        a = h @ self.proj.weight  # reads the weight the linear already cast
-        return self.head(a.softmax(-1)) * 2.0
 
 
 def rewritten(model, *inputs, precision="bf16", keep_fp32=(), fp8=None, matmul="scaled_mm"):
@@ -43,27 +30,8 @@ def dtypes_of(gm):
     return {n.name: n.meta["example_value"].dtype for n in gm.graph.nodes if isinstance(n.meta.get("example_value"), torch.Tensor)}
 
 
-@pytest.mark.parametrize(
-    "path, name",
-    [("L['self'].blocks.0.attn", "blocks.0.attn"), ("L['self']._modules['blocks']._modules['0']", "blocks.0"),
-     ("L['self'].layers[3].mlp", "layers.3.mlp"), ("L['self']", "")],
-)
-def test_module_names(path, name):
-    assert module_name(path) == name
-
-
-def test_op_sites_name_ops_and_modules():
-    gm = dynamo_graph(Toy(), torch.randn(4, 32))
-    sites = {s.node: s for s in op_sites(gm)}
-    assert [(s.op, s.module) for s in sites.values()] == [
-        ("linear", "proj"), ("layer_norm", "norm"), ("matmul", ""), ("softmax", ""), ("linear", "head"), ("mul", ""),
-    ]
-    head = next(s for s in sites.values() if s.module == "head")
-    assert (head.linear.in_features, head.linear.out_features, head.linear.tokens) == (32, 16, 4)
-
-
 def test_bf16_casts_where_the_rules_put_them():
-    gm, _ = rewritten(Toy(), torch.randn(4, 32))
+    gm, _ = rewritten(PrecisionToy(), torch.randn(4, 32))
     code = gm.code
     weight = "l_self_modules_proj_parameters_weight_"
     (FileCheck()
@@ -86,14 +54,14 @@ def test_bf16_casts_where_the_rules_put_them():
 
 
 def test_keep_fp32_module_gets_no_low_precision_op():
-    gm, _ = rewritten(Toy(), torch.randn(4, 32), keep_fp32=["head"])
+    gm, _ = rewritten(PrecisionToy(), torch.randn(4, 32), keep_fp32=["head"])
     dtypes = dtypes_of(gm)
     assert dtypes["linear_1"] == torch.float32  # the head
     assert "head_parameters_weight_.to(" not in gm.code
 
 
 def test_fp32_plan_leaves_the_graph_alone():
-    gm, plan = rewritten(Toy(), torch.randn(4, 32), precision="fp32", keep_fp32=["head"])
+    gm, plan = rewritten(PrecisionToy(), torch.randn(4, 32), precision="fp32", keep_fp32=["head"])
     assert plan.precision_ops == () and ".to(" not in gm.code
 
 
@@ -125,5 +93,60 @@ def test_checkpoint_regions_are_refused():
     def f(x):
         return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False).sum()
 
-    with pytest.raises(RuntimeError, match="do not reach into subgraphs"):
+    with pytest.raises(RuntimeError, match="do not reach into the bodies of higher-order ops"):
         rewritten(f, torch.randn(2, 8))
+
+
+def test_an_in_place_write_drops_the_shared_casts():
+    gm, _ = rewritten(WritesBetweenReads(), torch.randn(4, 16))
+    # y is cast for the first linear, and cast again after mul_ for the second: not the stale copy.
+    FileCheck().check("y.to(torch.bfloat16)").check("torch._C._nn.linear(").check("mul_").check(
+        "y.to(torch.bfloat16)"
+    ).check("torch._C._nn.linear(").run(gm.code)
+
+
+def test_what_an_op_writes_to_is_never_cast():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).to(torch.bfloat16)
+    gm, plan = rewritten(model, torch.randn(2, 3, 8, 8, dtype=torch.bfloat16))
+    batch_norm = next(n for n in gm.graph.nodes if getattr(n.target, "__name__", "") == "batch_norm")
+    # The running statistics are bf16 buffers it updates: it keeps all its inputs as traced.
+    assert [d.dtype for d in plan.precision_ops if d.node == batch_norm.name] == ["fp32"]
+    assert all(a.op == "placeholder" or a.target != "to" for a in batch_norm.all_input_nodes)
+
+    def in_place(x, w):
+        y = F.linear(x, w)
+        return y.add_(x)  # a bf16 y written by an fp32 x: stays bf16, x is not cast for it
+
+    gm, _ = rewritten(in_place, torch.randn(4, 4), torch.randn(4, 4))
+    add = next(n for n in gm.graph.nodes if n.target == "add_")
+    assert add.args[1].name == "l_x_" and dtypes_of(gm)[add.name] == torch.bfloat16
+
+
+def test_promote_ops_cast_to_the_widest_input():
+    def f(x, w):
+        y = F.linear(x, w)  # bf16
+        return torch.cat([y, x]), torch.lerp(y, x, 0.5), torch.dot(y[0], x[0])
+
+    gm, plan = rewritten(f, torch.randn(4, 4), torch.randn(4, 4))
+    assert {d.op: d.dtype for d in plan.precision_ops if d.rule == "autocast promote op"} == {
+        "cat": "widest", "lerp": "widest", "dot": "widest"}
+    dtypes = dtypes_of(gm)
+    assert dtypes["cat"] == dtypes["lerp"] == dtypes["dot"] == torch.float32
+    assert gm.code.count("y.to(torch.float32)") == 1  # one cast of y, shared by the three
+
+
+def test_data_dependent_and_no_grad_in_place_ops_are_not_run_again():
+    class ClampsItsWeight(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x):
+            with torch.no_grad():
+                self.proj.weight.clamp_(-0.1, 0.1)
+            y = self.proj(x)
+            return y[torch.nonzero(y > 0, as_tuple=True)].sum()
+
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        gm, _ = rewritten(ClampsItsWeight(), torch.randn(4, 8))
+    assert "torch._C._nn.linear(" in gm.code
