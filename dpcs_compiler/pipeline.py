@@ -56,7 +56,7 @@ from dpcs_compiler.passes.rewrite.fusion_guard import planned_fusion_choices
 from dpcs_compiler.passes.rewrite.precision import DTYPES, PrecisionCasts
 from dpcs_compiler.passes.rewrite.offload import insert_offloads
 from dpcs_compiler.passes.rewrite.overflow_check import OverflowCheck
-from dpcs_compiler.passes.rewrite.partition import partition_by_plan, recast_parameters_in_backward
+from dpcs_compiler.passes.rewrite.partition import partition_by_plan, recast_parameters_in_backward, recompute_upcasts
 from dpcs_compiler.plan import Plan, ValueDecision
 from dpcs_compiler.report import CompileRecord, add_record
 from dpcs_compiler.runtime.fp8 import scaled_mm_supported
@@ -316,8 +316,10 @@ class JointPartitioner(CustomPartitionerFn):
         if job.options.memory_budget is None:
             with ctx.instrumented("partition", "min_cut"):
                 if job.plan.precision != "fp32" or any(d.fp8 for d in job.plan.fp8_linears):
-                    # Low-precision copies of weights are made again in backward, not saved.
+                    # Low-precision copies of weights are made again in backward, not saved; so are the
+                    # wide copies of narrow values.
                     job.record.recast_parameter_nodes = recast_parameters_in_backward(joint, joint_schedule.parameters)
+                    job.record.recomputed_upcasts = recompute_upcasts(joint)
                 kwargs.setdefault("compiler", "inductor")  # Inductor passes it; the eager path asks for the same
                 forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
         else:

@@ -46,6 +46,7 @@ class CompileRecord:
     cast_ops: int = 0
     fp8_linears: int = 0
     recast_parameter_nodes: int = 0  # without a budget: parameter casts made again in backward, not saved
+    recomputed_upcasts: int = 0  # without a budget: widening casts made again in backward, not saved
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

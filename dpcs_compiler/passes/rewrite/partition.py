@@ -15,6 +15,7 @@ import unittest.mock
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 import torch.fx as fx
 from torch._functorch import partitioners
 from torch._functorch.partitioners import default_partition
@@ -147,3 +148,32 @@ def recast_parameters_in_backward(joint: fx.GraphModule, parameters: frozenset[f
 def _is_mutating(node: fx.Node) -> bool:
     schema = getattr(node.target, "_schema", None)
     return node.op == "call_function" and schema is not None and schema.is_mutable
+
+
+_CASTS = {torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default}
+
+
+def recompute_upcasts(joint: fx.GraphModule) -> int:
+    """Tag every widening cast in the forward (fp8 or bf16 to fp32) MUST_RECOMPUTE, so torch's
+    min-cut partitioner saves the narrow value for backward and widens it again there.
+
+    Min-cut can save the wide copy (measured: the fp32 upcasts of fp8 activations that the emulated fp8
+    matmul reads, 4 bytes an element instead of 1). Widening again is one pointwise pass; the narrow
+    value is the cheaper one to keep. Returns the number of nodes tagged.
+    """
+    tagged = 0
+    backward: set[fx.Node] = set()  # nodes that read the tangents: already made in backward
+    for node in joint.graph.nodes:
+        if (node.op == "placeholder" and "tangents" in node.name) or any(i in backward for i in node.all_input_nodes):
+            backward.add(node)
+        if node in backward or node.target not in _CASTS or not node.args or not isinstance(node.args[0], fx.Node):
+            continue
+        source, value = node.args[0].meta.get("val"), node.meta.get("val")
+        if (
+            isinstance(source, torch.Tensor) and isinstance(value, torch.Tensor)
+            and source.is_floating_point() and value.is_floating_point()
+            and value.element_size() > source.element_size() and not _is_mutating(node)
+        ):
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            tagged += 1
+    return tagged

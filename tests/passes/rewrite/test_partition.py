@@ -160,3 +160,31 @@ def test_parameter_casts_are_tagged_for_recomputation_and_min_cut_saves_no_copy(
     saved = next(n for n in forward.graph.nodes if n.op == "output").args[0][graphs.num_fwd_outputs:]
     assert not [n for n in saved if n.meta["val"].dtype == torch.bfloat16 and tuple(n.meta["val"].shape) in ((64, 32), (32, 64))]
 
+
+
+def test_widening_casts_are_made_again_in_backward_not_saved():
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    from dpcs_compiler.passes.rewrite.partition import recompute_upcasts
+
+    def step(x, w, v):
+        narrow = (x @ w).to(torch.float8_e4m3fn)  # an fp8 activation [64, 32] ...
+        wide = narrow.float()  # ... that an fp32 matmul reads, as the emulated fp8 matmul does
+        return (wide @ v).sin().sum()
+
+    x, w, v = (torch.randn(*shape, requires_grad=True) for shape in ((64, 48), (48, 32), (32, 16)))
+
+    def saved_dtypes(tag: bool):
+        graphs = trace_training(step, x, w, v)
+        if tag:
+            assert recompute_upcasts(graphs.joint) == 1
+        forward, _ = min_cut_rematerialization_partition(
+            graphs.joint, [x, w, v], num_fwd_outputs=graphs.num_fwd_outputs
+        )
+        saved = next(n for n in forward.graph.nodes if n.op == "output").args[0][graphs.num_fwd_outputs:]
+        return {(n.meta["val"].dtype, tuple(n.meta["val"].shape)) for n in saved if n.op != "placeholder"}
+
+    wide_copies = {(torch.float32, (64, 32)), (torch.float32, (32, 64))}  # (transposed for v's gradient)
+    assert wide_copies & saved_dtypes(tag=False)  # min-cut keeps an fp32 copy
+    tagged = saved_dtypes(tag=True)
+    assert not wide_copies & tagged and {(torch.float8_e4m3fn, (64, 32)), (torch.float8_e4m3fn, (32, 64))} & tagged
