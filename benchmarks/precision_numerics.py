@@ -178,11 +178,11 @@ def plot(results: dict, path: Path) -> None:
     curves_ax.legend(fontsize=7)
     gap_ax.legend(fontsize=7)
     rows = results["memory"]
-    labels = [f"{r['config']}\n{r['compiler']}" for r in rows]
+    labels = [f"{r['config']}\n{r['compiler']}" + (f" @{r['budget']}" if r["budget"] else "") for r in rows]
     positions = range(len(rows))
     memory_ax.bar([p - 0.2 for p in positions], [r["predicted_peak_bytes"] / 2**20 for r in rows], 0.4, label="predicted")
     memory_ax.bar([p + 0.2 for p in positions], [r["measured_peak_bytes"] / 2**20 for r in rows], 0.4, label="measured")
-    memory_ax.set_xticks(list(positions), labels, fontsize=7)
+    memory_ax.set_xticks(list(positions), labels, fontsize=6, rotation=30, ha="right")
     memory_ax.set(title="peak memory of one GPT step (batch 8)", ylabel="MiB")
     memory_ax.legend(fontsize=7)
     fig.suptitle(f"dpcs precision numerics - {results['device_name']}, torch {results['torch']}", fontsize=9)
