@@ -126,14 +126,14 @@ def _show_command(args: argparse.Namespace, parser: argparse.ArgumentParser, out
     root: Path = args.dir
     if not root.is_dir():
         err.print(f"dpcs show: error: {root} is not a folder" + ("" if root.exists() else " (it does not exist)"),
-                  markup=False, highlight=False)
+                  markup=False, highlight=False, soft_wrap=True)
         return EXIT_USAGE
     summaries = load_summaries(root)
     if not summaries:
         err.print(
             f"dpcs show: error: no graph folders under {root} (a graph folder holds {SUMMARY_FILE}; "
             f"write some with `dpcs dump --out {root} SCRIPT.py`)",
-            markup=False, highlight=False,
+            markup=False, highlight=False, soft_wrap=True,
         )
         return EXIT_USAGE
     print_summary(summaries, root, out)
@@ -155,7 +155,7 @@ def _dump_command(args: argparse.Namespace, parser: argparse.ArgumentParser, out
         parser.error("the following arguments are required: SCRIPT.py")
     script, script_args = Path(command[0]), command[1:]
     if not script.is_file():
-        err.print(f"dpcs dump: error: no script at {script}", markup=False, highlight=False)
+        err.print(f"dpcs dump: error: no script at {script}", markup=False, highlight=False, soft_wrap=True)
         return EXIT_USAGE
     root = args.out.resolve()
     earlier = set(graph_folders(root))
@@ -168,15 +168,15 @@ def _dump_command(args: argparse.Namespace, parser: argparse.ArgumentParser, out
         err.print(
             f"dpcs dump: no graphs were dumped under {root}{ending} (did the script call "
             "torch.compile(..., backend='dpcs') and run the compiled model?)",
-            markup=False, highlight=False,
+            markup=False, highlight=False, soft_wrap=True,
         )
         return status
-    out.print(f"dpcs dump: {len(summaries)} graph folder(s) under {root}{ending}", markup=False, highlight=False)
+    out.print(f"dpcs dump: {len(summaries)} graph folder(s) under {root}{ending}", markup=False, highlight=False, soft_wrap=True)
     for summary in summaries:
-        out.print(f"  {summary['folder']}", markup=False, highlight=False)
+        out.print(f"  {summary['folder']}", markup=False, highlight=False, soft_wrap=True)
     if earlier:
         out.print(f"  ({len(earlier)} earlier graph folder(s) there not shown; `dpcs show {root}` lists all)",
-                  markup=False, highlight=False)
+                  markup=False, highlight=False, soft_wrap=True)
     print_summary(summaries, root, out)
     return status
 
@@ -194,7 +194,7 @@ def _bench_command(args: argparse.Namespace, parser: argparse.ArgumentParser, ou
         err.print(
             f"dpcs bench: error: no benchmark at {script}; `dpcs bench` runs the benchmarks/ folder of a dpcs "
             "source checkout (clone the repository and `pip install -e .` it)",
-            markup=False, highlight=False,
+            markup=False, highlight=False, soft_wrap=True,
         )
         return EXIT_USAGE
     spec = importlib.util.spec_from_file_location("dpcs_bench", script)
