@@ -52,8 +52,9 @@ if str(REPO) not in sys.path:  # run as a script from a checkout without the pac
 
 from dpcs_compiler.models import LlamaLM, LlamaSize  # noqa: E402
 from dpcs_compiler.report import compile_records  # noqa: E402
-from dpcs_compiler.runtime.fp8 import scaled_mm_supported  # noqa: E402
-from dpcs_compiler.solve.precision import FP8_ALIGNMENT  # noqa: E402
+from dpcs_compiler.options import Fp8Options  # noqa: E402
+from dpcs_compiler.passes.analysis.op_sites import LinearShape, OpSite  # noqa: E402
+from dpcs_compiler.solve.precision import FP8_ALIGNMENT, fp8_eligibility  # noqa: E402
 
 
 def _load_bench():
@@ -78,19 +79,19 @@ QUICK_SIZES = {"hidden": 64, "intermediate": 176, "layers": 2, "heads": 2, "voca
                "steps": 2, "warmup": 1}
 FP8_MIN_SIZE, FP8_MIN_SIZE_QUICK = 1024, 16  # torchao's usual threshold; the quick model's linears are tiny
 TARGET_RATIO = 1.2  # the issue's target: fp8 tokens/s >= 1.2x bf16
-PRECISION_FIELDS = ("graph", "mode", "compiler", "precision", "cast_ops", "fp8_linears", "fallback")
+PRECISION_FIELDS = ("graph", "mode", "compiler", "precision", "cast_ops", "fp8_linears", "fp8_matmul", "fallback")
 
 
 # --- strategies -------------------------------------------------------------------------------------------
 
 
-def fp8_eligible(module: nn.Module, min_size: int) -> bool:
-    """dpcs's fp8 rule on a module (`solve.precision.fp8_eligibility`): a linear whose in and out features
-    are multiples of 16 and at least min_size. Given to torchao so that both convert the same linears."""
+def fp8_eligible(module: nn.Module, min_size: int, tokens: int = FP8_ALIGNMENT) -> bool:
+    """dpcs's fp8 rule (`solve.precision.fp8_eligibility`) on a module that `tokens` rows go through: given to
+    torchao so that both convert the same linears."""
     if not isinstance(module, nn.Linear):
         return False
-    dims = (module.in_features, module.out_features)
-    return all(d % FP8_ALIGNMENT == 0 for d in dims) and min(dims) >= min_size
+    site = OpSite("linear", "linear", ("",), LinearShape(module.in_features, module.out_features, tokens))
+    return fp8_eligibility(site, Fp8Options(min_size=min_size), kept=None) is None
 
 
 def dpcs_strategy(name: str, options: dict[str, Any], compiler: str) -> bench.Strategy:
@@ -173,20 +174,10 @@ def prepare(strategy: bench.Strategy, model: nn.Module, ids: torch.Tensor, *, de
         strategy.result["cast_ops"] = sum(r.cast_ops for r in training) if training else None
         for key in ("predicted_peak_bytes", "plan_feasible", "recomputed_values", "offloaded_values"):
             strategy.result.pop(key, None)  # memory-plan fields: no memory budget here
-        fp8 = (options or {}).get("fp8")
-        if fp8 is not None:
-            strategy.result["fp8_matmul"] = resolved_fp8_matmul(fp8, device)
+        if (options or {}).get("fp8") is not None:
+            strategy.result["fp8_matmul"] = next((r.fp8_matmul for r in training), None)
     elif strategy.module is not None:
         strategy.result["fp8_linears"] = sum(type(m).__name__ == "Float8Linear" for m in strategy.module.modules())
-
-
-def resolved_fp8_matmul(fp8: dict[str, Any], device: torch.device) -> str:
-    """What dpcs's fp8.matmul="auto" becomes on `device`: the pipeline's own probe of torch._scaled_mm for the
-    recipe, with bf16 (forward, input gradient) and fp32 (weight gradient) outputs."""
-    if fp8["matmul"] != "auto":
-        return fp8["matmul"]
-    supported = all(scaled_mm_supported(device, fp8["recipe"], dtype) for dtype in (torch.bfloat16, torch.float32))
-    return "scaled_mm" if supported else "emulated"
 
 
 def summarize(results: dict[str, dict[str, Any]], tokens_per_step: int) -> None:

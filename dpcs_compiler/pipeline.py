@@ -319,7 +319,8 @@ class JointPartitioner(CustomPartitionerFn):
                     # Low-precision copies of weights are made again in backward, not saved; so are the
                     # wide copies of narrow values.
                     job.record.recast_parameter_nodes = recast_parameters_in_backward(joint, joint_schedule.parameters)
-                    job.record.recomputed_upcasts = recompute_upcasts(joint)
+                    forward_nodes = frozenset(n for n, phase in joint_schedule.phase.items() if phase == FORWARD)
+                    job.record.recomputed_upcasts = recompute_upcasts(joint, forward_nodes)
                 kwargs.setdefault("compiler", "inductor")  # Inductor passes it; the eager path asks for the same
                 forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
         else:
@@ -535,6 +536,7 @@ def plan_precision_stage(job: GraphJob, gm: fx.GraphModule) -> None:
         job.ctx.plan = dataclasses.replace(job.plan, precision_ops=ops, fp8_linears=linears)
     job.record.cast_ops = sum(d.dtype != "fp8" for d in ops)
     job.record.fp8_linears = sum(d.fp8 for d in linears)
+    job.record.fp8_matmul = matmul if options.fp8 is not None else None
     log.info(
         "%s: precision %s, %d ops with a dtype decision, %d of %d linears in fp8",
         job.record.graph, options.precision, job.record.cast_ops, job.record.fp8_linears, len(linears),

@@ -45,6 +45,7 @@ class CompileRecord:
     precision: str = "fp32"
     cast_ops: int = 0
     fp8_linears: int = 0
+    fp8_matmul: str | None = None  # how its fp8 linears run: "scaled_mm", "emulated" ("auto" resolved)
     recast_parameter_nodes: int = 0  # without a budget: parameter casts made again in backward, not saved
     recomputed_upcasts: int = 0  # without a budget: widening casts made again in backward, not saved
 

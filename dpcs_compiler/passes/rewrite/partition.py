@@ -153,20 +153,18 @@ def _is_mutating(node: fx.Node) -> bool:
 _CASTS = {torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default}
 
 
-def recompute_upcasts(joint: fx.GraphModule) -> int:
+def recompute_upcasts(joint: fx.GraphModule, forward: frozenset[fx.Node]) -> int:
     """Tag every widening cast in the forward (fp8 or bf16 to fp32) MUST_RECOMPUTE, so torch's
     min-cut partitioner saves the narrow value for backward and widens it again there.
 
     Min-cut can save the wide copy (measured: the fp32 upcasts of fp8 activations that the emulated fp8
     matmul reads, 4 bytes an element instead of 1). Widening again is one pointwise pass; the narrow
-    value is the cheaper one to keep. Returns the number of nodes tagged.
+    value is the cheaper one to keep. `forward`: the joint graph's forward nodes (`Schedule.phase`).
+    Returns the number of nodes tagged.
     """
     tagged = 0
-    backward: set[fx.Node] = set()  # nodes that read the tangents: already made in backward
-    for node in joint.graph.nodes:
-        if (node.op == "placeholder" and "tangents" in node.name) or any(i in backward for i in node.all_input_nodes):
-            backward.add(node)
-        if node in backward or node.target not in _CASTS or not node.args or not isinstance(node.args[0], fx.Node):
+    for node in forward:
+        if node.target not in _CASTS or not node.args or not isinstance(node.args[0], fx.Node):
             continue
         source, value = node.args[0].meta.get("val"), node.meta.get("val")
         if (

@@ -16,7 +16,7 @@ from training_graphs import trace_module_training, trace_training  # noqa: E402
 
 from dpcs_compiler.cost.memory_model import RECOMPUTE, SAVE, plan_memory  # noqa: E402
 from dpcs_compiler.models import workload  # noqa: E402
-from dpcs_compiler.passes.analysis import Schedule, memory_timeline  # noqa: E402
+from dpcs_compiler.passes.analysis import FORWARD, Schedule, memory_timeline  # noqa: E402
 from dpcs_compiler.passes.analysis.planning import (  # noqa: E402
     RUNTIME_ALLOWANCE_BYTES,
     planning_graph,
@@ -177,7 +177,9 @@ def test_widening_casts_are_made_again_in_backward_not_saved():
     def saved_dtypes(tag: bool):
         graphs = trace_training(step, x, w, v)
         if tag:
-            assert recompute_upcasts(graphs.joint) == 1
+            schedule = Schedule.of_joint(graphs.joint, num_fwd_outputs=graphs.num_fwd_outputs)
+            forward = frozenset(n for n, phase in schedule.phase.items() if phase == FORWARD)
+            assert recompute_upcasts(graphs.joint, forward) == 1
         forward, _ = min_cut_rematerialization_partition(
             graphs.joint, [x, w, v], num_fwd_outputs=graphs.num_fwd_outputs
         )
