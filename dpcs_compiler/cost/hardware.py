@@ -1,18 +1,27 @@
 """What the device can do: matmul FLOP/s per dtype, memory and host-link bandwidth, per-op fixed cost.
 
-`measure_hardware_profile` times a few small benchmarks (median of repetitions after warm-up; matrix sizes
-grow until one call is long enough to time or a per-dtype time box runs out, so the whole measurement stays
-within a few seconds even where a dtype is emulated slowly). `hardware_profile` measures once per device and
-caches the result on disk as JSON, keyed by device, format version and torch version, plus an in-process memo.
-A cached file that does not parse or describes another device, format or torch is re-measured and
-overwritten, never trusted.
+A plan is a pure function of (graph, options, hardware profile), so the profile is something a user can
+see, pin and share (`resolve_hardware_profile`, the `hardware_profile` option, `dpcs hardware`):
+
+- "measure" (the default): `measure_hardware_profile` times a few small benchmarks (median of repetitions
+  after warm-up; matrix sizes grow until one call is long enough to time or a per-dtype time box runs out,
+  so the whole measurement stays within a few seconds even where a dtype is emulated slowly), always on
+  real tensors, outside any fake or tracing mode (a backend measures while Dynamo's fake mode is active).
+  `hardware_profile` measures once per device and caches the result on disk as JSON, keyed by device,
+  format version and torch version, plus an in-process memo. A cached file that does not parse or
+  describes another device, format or torch is re-measured and overwritten, never trusted.
+- a built-in profile from datasheet figures (`cost/builtin_profiles.py`): plan on a laptop for the GPU
+  the job will train on, or on the fixed reference CPU so a plan is the same on every machine;
+- a profile JSON file (`dpcs hardware --json` writes one), or a `HardwareProfile` given in code.
 
 Figures are measured under the process's current settings (thread count, which is part of the CPU key, and
 torch's float32 matmul precision, which is not): pass `refresh=True` after changing the latter.
 
 On a shared CPU, other processes competing for the cores slow multithreaded kernels by up to 1000x (threads
-wait at barriers for descheduled siblings). The profile records the share of its threads' CPU time the
-process got during the float32 matmul benchmark; a profile measured below `BUSY_CPU_SHARE` is used but not
+wait at barriers for descheduled siblings). The profile records the share of CPU time the process got while
+a kernel that runs on every thread (`measure_cpu_share`: an elementwise op split over all of torch's
+threads; not a matmul, which a BLAS may run on one thread at small sizes) ran, per CPU it may use (torch's
+threads, the CPU affinity and the cgroup quota); a profile measured below `BUSY_CPU_SHARE` is used but not
 written to disk, so a quieter process measures again instead of inheriting pessimistic figures.
 """
 
@@ -37,22 +46,29 @@ from pathlib import Path
 
 import torch
 
+from dpcs_compiler.cost.budget import device_memory
+
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+# 2: memory_bytes added; cpu_share measured on a kernel that runs on every thread (1 measured it on a matmul).
+FORMAT_VERSION = 2
 
-BUSY_CPU_SHARE = 0.5  # a quiet CPU gives ~1 while multithreaded matmuls run
+BUSY_CPU_SHARE = 0.5  # a quiet CPU gives ~1 while a kernel runs on every thread; 2 competitors per CPU ~0.33
 
 _CACHE_ENV = "DPCS_CACHE_DIR"
 
 
 @dataclasses.dataclass(frozen=True)
 class HardwareProfile:
-    """Measured speeds of one device; all rates per second, `launch_overhead_s` the fixed cost of one op.
+    """Speeds of one device; all rates per second, `launch_overhead_s` the fixed cost of one op.
 
     matmul_flops maps torch dtype names ("float32", "bfloat16", ...) to FLOP/s; float32 is always present.
     host_to_device / device_to_host are pinned-memory copy bandwidths, None on CPU where there is no host link.
-    cpu_share: CPU time the process got / (wall time x threads) during the float32 matmuls; None on CUDA.
+    measured_at: when it was measured (ISO 8601), or "datasheet" for a built-in profile.
+    cpu_share: CPU time the process got / (wall time x usable CPUs) while a kernel ran on every thread
+        (`measure_cpu_share`); None on CUDA and for built-in profiles.
+    memory_bytes: the device's total memory (host RAM for a CPU), what a fractional or "auto" memory_budget
+        is of when a graph is planned for this device from another kind of device; None if unknown.
     """
 
     device_key: str
@@ -65,6 +81,7 @@ class HardwareProfile:
     launch_overhead_s: float
     measured_at: str
     cpu_share: float | None = None
+    memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "matmul_flops", types.MappingProxyType(dict(self.matmul_flops)))
@@ -89,6 +106,19 @@ class HardwareProfile:
             )
         if self.cpu_share is not None and (not _is_real(self.cpu_share) or not 0 <= self.cpu_share < math.inf):
             raise ValueError(f"hardware profile: cpu_share must be None or finite and >= 0, got {self.cpu_share!r}")
+        if self.memory_bytes is not None and (
+            not isinstance(self.memory_bytes, int) or isinstance(self.memory_bytes, bool) or self.memory_bytes <= 0
+        ):
+            raise ValueError(f"hardware profile: memory_bytes must be None or an int > 0, got {self.memory_bytes!r}")
+
+    @property
+    def device_type(self) -> str:
+        """"cpu" or "cuda": the kind of device the figures describe (the device key's first part)."""
+        return self.device_key.partition(":")[0]
+
+    def short_hash(self) -> str:
+        """12 hex digits of the profile's JSON: two plans made with one profile name the same hash."""
+        return hashlib.sha256(profile_to_json(self).encode()).hexdigest()[:12]
 
     @property
     def busy(self) -> bool:
@@ -131,6 +161,8 @@ def profile_from_json(text: str) -> HardwareProfile:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"hardware profile: not JSON ({e})") from e
     names = {f.name for f in dataclasses.fields(HardwareProfile)}
+    if isinstance(data, dict) and data.get("format_version", FORMAT_VERSION) != FORMAT_VERSION:
+        raise ValueError(f"hardware profile: format {data['format_version']!r}, this dpcs reads format {FORMAT_VERSION}")
     if not isinstance(data, dict) or set(data) != names:
         got = sorted(data) if isinstance(data, dict) else type(data).__name__
         raise ValueError(f"hardware profile: expected the fields {sorted(names)}, got {got}")
@@ -228,10 +260,8 @@ def _median_seconds(fn: Callable[[], object], sync: Callable[[], None], plan: _P
     return statistics.median(times)
 
 
-def _matmul_flops(
-    device: torch.device, dtype: torch.dtype, sync: Callable[[], None], plan: _Plan
-) -> tuple[float, float]:
-    """(FLOP/s, CPU share at the largest size) of square matmuls, sizes growing until one call is long enough.
+def _matmul_flops(device: torch.device, dtype: torch.dtype, sync: Callable[[], None], plan: _Plan) -> float:
+    """FLOP/s of square matmuls, sizes growing until one call is long enough to time.
 
     The rate is the best over the sizes tried: a larger size only runs faster when undisturbed, so the best
     is the least disturbed. Growth stops early when the next size would overrun the per-dtype time box.
@@ -241,14 +271,73 @@ def _matmul_flops(
     while True:
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype)
-        wall, cpu = time.perf_counter(), time.process_time()
         seconds = _median_seconds(lambda: torch.mm(a, b), sync, plan)
-        share = (time.process_time() - cpu) / ((time.perf_counter() - wall) * torch.get_num_threads())
         best = max(best, 2 * n**3 / seconds)
         next_cost = 8 * max(seconds, plan.min_batch_s) * (plan.repeats + 2)
         if seconds >= plan.matmul_target_s or 2 * n > plan.matmul_max or time.perf_counter() + next_cost > deadline:
-            return best, share
-        n *= 2
+            return best
+
+
+def usable_cpus() -> float:
+    """How many CPUs this process's threads can run on at once: torch's thread count, bounded by the CPU
+    affinity mask and by a cgroup CPU quota (a container limited to 2 CPUs of a 64-core host)."""
+    limits = [float(torch.get_num_threads())]
+    if hasattr(os, "sched_getaffinity"):
+        limits.append(float(len(os.sched_getaffinity(0))))
+    for path, parse in (("/sys/fs/cgroup/cpu.max", _cgroup2_quota), ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", _cgroup1_quota)):
+        try:
+            quota = parse(Path(path))
+        except (OSError, ValueError):
+            continue
+        if quota is not None:
+            limits.append(quota)
+            break
+    return max(1.0, min(limits))
+
+
+def _cgroup2_quota(path: Path) -> float | None:
+    """cgroup v2's cpu.max: "max 100000" (no limit) or "<quota> <period>" in microseconds."""
+    fields = path.read_text().split()
+    if not fields or fields[0] == "max":
+        return None
+    return int(fields[0]) / (int(fields[1]) if len(fields) > 1 else 100_000)
+
+
+def _cgroup1_quota(path: Path) -> float | None:
+    quota = int(path.read_text())
+    period = int((path.parent / "cpu.cfs_period_us").read_text())
+    return None if quota <= 0 else quota / period
+
+
+def measure_cpu_share(seconds: float = 0.1) -> float:
+    """Share of the CPUs this process may use that it got while a kernel ran on every one of torch's threads.
+
+    The kernel is an elementwise sine over 16 MiB, which ATen splits over all its threads whatever the CPU
+    (a matmul is not: a BLAS runs small matrices on one thread, and that read as "half the CPU taken by
+    others" on an idle 2-core machine). An idle machine gives ~1; other processes competing for the cores
+    deschedule the threads and lower it (2 busy processes per CPU: ~0.33).
+    """
+    with _real_tensors(), torch.no_grad():
+        x = torch.randn(1 << 22)
+        out = torch.empty_like(x)
+        torch.sin(x, out=out)  # warm-up: the thread pool starts
+        wall, cpu = time.perf_counter(), time.process_time()
+        calls = 0
+        while calls < 3 or time.perf_counter() - wall < seconds:
+            torch.sin(x, out=out)
+            calls += 1
+        elapsed = time.perf_counter() - wall
+        return (time.process_time() - cpu) / (elapsed * usable_cpus())
+
+
+@contextlib.contextmanager
+def _real_tensors():
+    """Real tensors and real kernels, even while a fake or tracing mode is active (a backend is called, and
+    partitions, under Dynamo's fake mode: a matmul timed there returns at once)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        yield
 
 
 def _float8_flops(device: torch.device, sync: Callable[[], None], plan: _Plan) -> float | None:
@@ -275,11 +364,11 @@ def measure_hardware_profile(device: torch.device | str) -> HardwareProfile:
         if cuda:
             torch.cuda.synchronize(dev)
 
-    with torch.no_grad(), (torch.cuda.device(dev) if cuda else contextlib.nullcontext()):
-        flops, shares = {}, {}
+    with _real_tensors(), torch.no_grad(), (torch.cuda.device(dev) if cuda else contextlib.nullcontext()):
+        shares = [] if cuda else [measure_cpu_share()]
+        flops = {}
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            name = str(dtype).removeprefix("torch.")
-            flops[name], shares[name] = _matmul_flops(dev, dtype, sync, plan)
+            flops[str(dtype).removeprefix("torch.")] = _matmul_flops(dev, dtype, sync, plan)
         if cuda and (rate := _float8_flops(dev, sync, plan)) is not None:
             flops["float8_e4m3fn"] = rate
 
@@ -298,6 +387,10 @@ def measure_hardware_profile(device: torch.device | str) -> HardwareProfile:
 
         tiny = torch.ones(1, device=dev)
         launch = _median_seconds(lambda: torch.add(tiny, tiny), sync, plan)
+        if not cuda:
+            # Competing processes hold the CPU for a while: the less disturbed of two readings, one before and
+            # one after the benchmarks, keeps a passing burst from marking an idle machine busy.
+            shares.append(measure_cpu_share())
 
     return HardwareProfile(
         device_key=device_key(dev),
@@ -309,13 +402,14 @@ def measure_hardware_profile(device: torch.device | str) -> HardwareProfile:
         device_to_host=d2h,
         launch_overhead_s=launch,
         measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        cpu_share=None if cuda else shares["float32"],
+        cpu_share=None if cuda else max(shares),
+        memory_bytes=device_memory(dev).total_bytes,
     )
 
 
 # ----------------------------------------------------------------------------------------------- cache
 
-_MEMO: dict[tuple[str, str], HardwareProfile] = {}
+_MEMO: dict[tuple[str, str], ResolvedProfile] = {}
 
 
 def default_cache_dir() -> Path:
@@ -369,10 +463,26 @@ def _store(path: Path, profile: HardwareProfile) -> None:
         log.warning("hardware profile not cached at %s: %s", path, e)
 
 
-def hardware_profile(
+@dataclasses.dataclass(frozen=True)
+class ResolvedProfile:
+    """A hardware profile and where it came from (`source`, a phrase: "built-in 'h100' (...)", "file ...")."""
+
+    profile: HardwareProfile
+    source: str
+
+    @property
+    def hash(self) -> str:
+        return self.profile.short_hash()
+
+    def describe(self) -> str:
+        """Where the profile came from and its short hash, as records, dumps and `dpcs hardware` name it."""
+        return f"{self.source} #{self.hash}"
+
+
+def measured_profile(
     device: torch.device | str, *, cache_dir: str | os.PathLike[str] | None = None, refresh: bool = False
-) -> HardwareProfile:
-    """The device's profile: from the in-process memo, else the disk cache, else measured now and cached.
+) -> ResolvedProfile:
+    """The device's measured profile: from the in-process memo, else the disk cache, else measured now and cached.
 
     refresh=True measures again and overwrites the cache. A profile measured on a busy CPU is memoized only.
     """
@@ -383,16 +493,31 @@ def hardware_profile(
         return _MEMO[memo_key]
     path = cache_path(key, directory)
     profile = None if refresh else _load(path, key)
-    if profile is None:
+    if profile is not None:
+        resolved = ResolvedProfile(profile, f"measured {profile.measured_at}, cached at {path}")
+    else:
         profile = measure_hardware_profile(device)
         if profile.device_key != key:
             raise RuntimeError(f"measured profile is for {profile.device_key!r}, expected {key!r}")
         if profile.busy:
             log.warning(
-                "%s was busy while measured (CPU share %.2f): hardware profile used but not cached",
-                key, profile.cpu_share,
+                "%s was busy while its hardware profile was measured: other processes held the CPU (CPU share "
+                "%.2f of %g usable CPUs). The profile is used in this process but not cached, so plans may differ "
+                "from run to run; measure on a quiet machine (`dpcs hardware --refresh`) or pin a profile "
+                "(option hardware_profile, or DPCS_HARDWARE_PROFILE: 'reference-cpu' or a profile file)",
+                key, profile.cpu_share, usable_cpus(),
             )
+            resolved = ResolvedProfile(profile, f"measured {profile.measured_at} on a busy CPU (CPU share "
+                                                f"{profile.cpu_share:.2f}), not cached")
         else:
             _store(path, profile)
-    _MEMO[memo_key] = profile
-    return profile
+            resolved = ResolvedProfile(profile, f"measured {profile.measured_at}, cached at {path}")
+    _MEMO[memo_key] = resolved
+    return resolved
+
+
+def hardware_profile(
+    device: torch.device | str, *, cache_dir: str | os.PathLike[str] | None = None, refresh: bool = False
+) -> HardwareProfile:
+    """The device's measured profile (`measured_profile` without where it came from)."""
+    return measured_profile(device, cache_dir=cache_dir, refresh=refresh).profile

@@ -2,22 +2,30 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
 import math
+import os
 import pickle
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dpcs_compiler.cost import hardware
 from dpcs_compiler.cost.hardware import (
+    BUSY_CPU_SHARE,
     FORMAT_VERSION,
     HardwareProfile,
     cache_path,
     device_key,
     hardware_profile,
+    measure_cpu_share,
     measure_hardware_profile,
     profile_from_json,
     profile_to_json,
@@ -36,6 +44,7 @@ def fake_profile(**changes) -> HardwareProfile:
         launch_overhead_s=1e-6,
         measured_at="2026-01-01T00:00:00+00:00",
         cpu_share=0.95,
+        memory_bytes=24 * 2**30,
     )
     return HardwareProfile(**{**fields, **changes})
 
@@ -65,6 +74,85 @@ def test_measuring_this_cpu_gives_positive_finite_figures_and_no_host_link():
     assert 0 < profile.launch_overhead_s < 1e-3  # a 1-element add on a CPU
     assert profile.host_to_device is None and profile.device_to_host is None
     assert 0 < profile.cpu_share  # how busy the machine was is not the test's to decide
+    assert profile.memory_bytes > 2**30
+
+
+def test_a_backend_measures_real_kernels_while_dynamos_fake_mode_is_active():
+    """The partitioner, where plans are made, runs under a fake mode: a matmul timed there returns at once
+    (measured: 1.1e15 FLOP/s on a 2-core CPU) and the profile was garbage."""
+    real = measure_hardware_profile("cpu")
+    with FakeTensorMode():
+        under_fake = measure_hardware_profile("cpu")
+    for name in ("float32", "bfloat16"):
+        assert under_fake.matmul_flops[name] < 20 * real.matmul_flops[name]
+    assert under_fake.memory_bandwidth < 20 * real.memory_bandwidth
+
+
+def idle_cpu_share() -> float:
+    """The share on this machine with nothing started by the test; the best of three readings, so a passing
+    burst of another process on a CI machine does not fail it."""
+    return max(measure_cpu_share() for _ in range(3))
+
+
+def test_an_idle_machine_is_not_busy():
+    assert idle_cpu_share() >= BUSY_CPU_SHARE
+
+
+def test_an_idle_machine_is_not_busy_when_its_matmuls_run_on_one_thread(monkeypatch, tmp_path):
+    """A BLAS runs small matrices on one thread (AMX and AVX512-BF16 CPUs at the profile's first sizes):
+    the share read during matmuls was 0.5 on an idle 2-core machine, and its profile was never cached."""
+    real_mm = torch.mm
+
+    def one_thread_mm(a, b):
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return real_mm(a, b)
+        finally:
+            torch.set_num_threads(threads)
+
+    monkeypatch.setattr(torch, "mm", one_thread_mm)
+    profiles = [measure_hardware_profile("cpu") for _ in range(2)]
+    monkeypatch.undo()
+    assert any(not p.busy for p in profiles), [p.cpu_share for p in profiles]
+
+
+@contextlib.contextmanager
+def competing_processes(count: int):
+    """`count` processes that spin on the CPU until the block ends."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        time.sleep(0.5)  # started and spinning
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+        for spinner in spinners:
+            spinner.wait(timeout=30)
+
+
+def test_a_machine_busy_with_other_processes_is_busy(tmp_path):
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    with competing_processes(3 * cpus):  # 3 spinning processes per CPU: ~0.25 of it left to this process
+        share = measure_cpu_share()
+        profile = hardware.measured_profile("cpu", cache_dir=tmp_path)
+    hardware.forget_memoized_profiles()
+    assert share < BUSY_CPU_SHARE
+    assert profile.profile.busy and "busy" in profile.source and "not cached" in profile.source
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "quota, expected", [("max 100000\n", None), ("150000 100000\n", 1.5), ("200000\n", 2.0)]
+)
+def test_a_cgroup2_cpu_quota_is_read(tmp_path, quota, expected):
+    path = tmp_path / "cpu.max"
+    path.write_text(quota)
+    assert hardware._cgroup2_quota(path) == expected
+
+
+def test_usable_cpus_never_exceed_torchs_threads():
+    assert 1 <= hardware.usable_cpus() <= torch.get_num_threads()
 
 
 def test_the_profile_is_measured_once_then_memoized(tmp_path, counted_measure):
@@ -101,8 +189,10 @@ def test_refresh_measures_again_and_overwrites_the_cache(tmp_path, counted_measu
         profile_to_json(fake_profile(torch_version="0.0.1")),
         profile_to_json(fake_profile()).replace("1e-06", "-1.0"),  # negative overhead
         profile_to_json(fake_profile()).replace('"float32"', '"float64"'),  # no float32 figure
+        profile_to_json(fake_profile()).replace('"memory_bytes": 25769803776', '"memory_bytes": 0'),
     ],
-    ids=["truncated", "empty", "not-an-object", "other-device", "other-format", "other-torch", "negative", "no-fp32"],
+    ids=["truncated", "empty", "not-an-object", "other-device", "other-format", "other-torch", "negative", "no-fp32",
+         "no-memory"],
 )
 def test_a_corrupt_or_mismatched_cache_file_is_measured_again_and_overwritten(tmp_path, counted_measure, bad_content):
     path = cache_path(device_key("cpu"), tmp_path)
