@@ -116,6 +116,11 @@ def _validate(
     """Resolve one request to nodes, or raise ValueError saying what is wrong and what would be valid."""
     fw_nodes, bw_nodes = _nodes_by_name(forward), _nodes_by_name(backward)
     saved = saved_value_names(forward, backward)
+    if name not in saved and name in fw_nodes:
+        # Saved only under another name: AOTAutograd hands backward an alias of it (a log_softmax output,
+        # read by backward as `alias_2`). The plan names the buffer; the first saved alias carries it.
+        root = _alias_root(fw_nodes[name])
+        name = next((s for s in saved if _alias_root(fw_nodes[s]) is root), name)
     if name not in saved:
         what = "a forward node but not a tensor saved for backward" if name in fw_nodes else "not a forward node"
         raise ValueError(f"cannot offload {name!r}: it is {what}; saved values: {_choices(saved)}")

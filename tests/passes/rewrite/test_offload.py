@@ -61,7 +61,9 @@ def offloading_partition(choose: Chooser | None, captured: dict[str, fx.GraphMod
     return partition
 
 
-def train_step(fn: Callable, inputs: Sequence[torch.Tensor], choose: Chooser | None = None) -> Step:
+def train_step(
+    fn: Callable, inputs: Sequence[torch.Tensor], choose: Chooser | None = None, decompositions: dict | None = None
+) -> Step:
     """One training step of fn through aot_function; `choose(fw, bw)` gives insert_offloads' arguments."""
     captured: dict[str, fx.GraphModule] = {}
     partition = offloading_partition(choose, captured)
@@ -70,7 +72,9 @@ def train_step(fn: Callable, inputs: Sequence[torch.Tensor], choose: Chooser | N
         return make_boxed_func(gm)
 
     leaves = [t.detach().clone().requires_grad_() for t in inputs]
-    outputs = aot_function(fn, fw_compiler=keep, bw_compiler=keep, partition_fn=partition)(*leaves)
+    outputs = aot_function(
+        fn, fw_compiler=keep, bw_compiler=keep, partition_fn=partition, decompositions=decompositions
+    )(*leaves)
     sum(o.sum() for o in outputs).backward()
     return Step(tuple(o.detach() for o in outputs), [t.grad for t in leaves], **captured)
 
@@ -192,6 +196,28 @@ def test_saved_alias_travels_with_its_tensor():
     wait = node(step.backward, "wait_tanh")
     assert wait.next.name == earliest
     assert all(node(step.backward, "reload_tanh") in node(step.backward, u).all_input_nodes for u in uses)
+
+
+def cross_entropy(x, w):
+    return (torch.nn.functional.cross_entropy(x @ w, torch.zeros(x.shape[0], dtype=torch.long)),)
+
+
+def test_a_value_saved_only_as_an_alias_is_offloaded_by_its_own_name():
+    """With Inductor's decompositions AOTAutograd saves the log_softmax output only as `alias(sub_1)`: the
+    plan names the buffer's producer (a GPT's log_softmax, planned for a GPU), the saved alias carries it."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    inputs = [torch.randn(4, 6), torch.randn(6, 3)]
+    reference = train_step(cross_entropy, inputs, decompositions=select_decomp_table())
+    saved = saved_value_names(reference.forward, reference.backward)
+    [alias] = [s for s in saved if node(reference.forward, s).target == aten.alias.default]
+    base = node(reference.forward, alias).args[0].name
+    assert base not in saved
+    step = train_step(cross_entropy, inputs, at_start(base), decompositions=select_decomp_table())
+    assert f"offload_{alias}" in outputs_of(step.forward) and alias not in outputs_of(step.forward)
+    torch.testing.assert_close(step.grads, reference.grads)
+    with pytest.raises(ValueError, match="cannot offload 'not_a_node': it is not a forward node"):
+        train_step(cross_entropy, inputs, at_start("not_a_node"), decompositions=select_decomp_table())
 
 
 def test_offloading_a_tensor_and_its_alias_is_refused():
