@@ -10,10 +10,15 @@ absolute peak is `baseline_bytes + peak_increase_bytes` with a baseline the call
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import re
 import statistics
+import sys
+import tempfile
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -45,6 +50,34 @@ def resident_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
+# Kineto writes these to stderr at every profiler start and stop ("USDT: ... profiler_start").
+_PROFILER_NOISE = re.compile(rb"^(USDT|STAGE):\S* \S+ \S+ \S+\] ")
+
+
+@contextlib.contextmanager
+def quiet_profiler_logs() -> Iterator[None]:
+    """Around a profiler's start or stop: drop kineto's progress lines from stderr, pass every other line on.
+
+    Kineto logs from C++ to file descriptor 2, so the descriptor is pointed at a temporary file for the
+    duration (only the start or stop itself: the profiled work writes to the real stderr) and what is not
+    kineto's progress noise is written back.
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = b"".join(line for line in captured.read().splitlines(keepends=True) if not _PROFILER_NOISE.match(line))
+            if kept:
+                os.write(2, kept)
+
+
 def measure_peak_memory(fn: Callable[..., T], *args: Any, device: str | torch.device = "cpu", **kwargs: Any) -> tuple[T, PeakMemory]:
     """Run `fn(*args, **kwargs)` once and return its result and the peak memory it reached."""
     device = torch.device(device)
@@ -60,8 +93,14 @@ def measure_peak_memory(fn: Callable[..., T], *args: Any, device: str | torch.de
         raise ValueError(f"measure_peak_memory: device {str(device)!r} is not supported; valid choices: 'cpu', 'cuda'")
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with quiet_profiler_logs():
+        prof.start()
+    try:
         result = fn(*args, **kwargs)
+    finally:
+        with quiet_profiler_logs():
+            prof.stop()
     events = [
         e
         for e in prof.profiler.kineto_results.events()
