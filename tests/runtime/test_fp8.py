@@ -181,14 +181,39 @@ def test_scaled_mm_is_supported_on_this_cpu(recipe, out_dtype):
     assert scaled_mm_supported(torch.device("cpu"), recipe, out_dtype)
 
 
+PROBED = [("rowwise", torch.bfloat16), ("tensorwise", torch.float32), ("tensorwise", torch.int32)]
+
+
 def test_scaled_mm_probe_runs_real_kernels_under_a_fake_mode():
-    """A torch.compile backend calls the probe while Dynamo's fake mode is active."""
+    """A torch.compile backend calls the probe while Dynamo's fake mode is active: it answers what the real
+    kernel does there. Which out_dtypes a CPU's _scaled_mm accepts differs between CPUs (int32 is refused on
+    some, accepted on others), so the answers are compared with the probe's outside the fake mode."""
     fp8._probe_scaled_mm.cache_clear()
     with FakeTensorMode():
-        assert scaled_mm_supported("cpu", "rowwise", torch.bfloat16)
-    assert not scaled_mm_supported("cpu", "tensorwise", torch.int32)  # refused by _scaled_mm: False, no raise
+        assert scaled_mm_supported("cpu", "rowwise", torch.bfloat16)  # fake tensors could not show it correct
+        under_fake = [scaled_mm_supported("cpu", *case) for case in PROBED]
+    fp8._probe_scaled_mm.cache_clear()
+    assert under_fake == [scaled_mm_supported("cpu", *case) for case in PROBED]
     with pytest.raises(ValueError, match="recipe='blockwise'"):
         scaled_mm_supported("cpu", "blockwise", torch.bfloat16)
+
+
+@pytest.mark.parametrize("kernel", ["refuses", "wrong result", "wrong dtype"])
+def test_a_scaled_mm_that_refuses_or_is_wrong_is_unsupported_without_raising(monkeypatch, kernel):
+    real = torch._scaled_mm
+
+    def fake_kernel(*args, out_dtype, **kwargs):
+        if kernel == "refuses":
+            raise RuntimeError("_scaled_mm: this out_dtype is not supported on this device")
+        out = real(*args, out_dtype=out_dtype, **kwargs)
+        return out * 0 if kernel == "wrong result" else out.to(torch.float64)
+
+    monkeypatch.setattr(torch, "_scaled_mm", fake_kernel)
+    fp8._probe_scaled_mm.cache_clear()
+    try:
+        assert not scaled_mm_supported("cpu", "tensorwise", torch.float32)
+    finally:
+        fp8._probe_scaled_mm.cache_clear()
 
 
 def test_sqnr_db():
