@@ -21,6 +21,7 @@ from torch._dynamo.exc import RestartAnalysis, ShortenTraceback, SkipFrame
 from dpcs_compiler.debug.dump import write_summary
 from dpcs_compiler.options import DpcsOptions
 from dpcs_compiler.pipeline import BudgetInfeasibleError, compile_graph
+from dpcs_compiler.rank_agreement import RankDisagreementError
 from dpcs_compiler.report import compile_records, records_since
 
 log = logging.getLogger("dpcs.backend")
@@ -45,8 +46,10 @@ def dpcs_backend(
         # Inductor takes ownership of the graph it compiles and mutates it: dpcs gets a copy, so the
         # fallback compiles the graph exactly as Dynamo made it.
         return compile_graph(fx.GraphModule(gm, copy.deepcopy(gm.graph)), example_inputs, opts)
-    except (RestartAnalysis, SkipFrame, ShortenTraceback, BudgetInfeasibleError):
-        raise  # Dynamo's own control flow, or an answer for the user (no plan fits the budget): not a failure
+    except (RestartAnalysis, SkipFrame, ShortenTraceback, BudgetInfeasibleError, RankDisagreementError):
+        # Dynamo's own control flow, or an answer for the user (no plan fits the budget; the ranks compiled
+        # different plans, on every rank alike): not a failure to hide behind a fallback
+        raise
     except Exception as error:
         if opts.strict:
             raise

@@ -3,6 +3,8 @@
     dpcs dump [--out DIR] SCRIPT.py [ARGS ...]   run SCRIPT.py as __main__ with DPCS_DUMP_DIR=DIR, then summarise
     dpcs show DIR                                 summarise every graph folder under DIR
     dpcs bench [ARGS ...]                         benchmark dpcs against eager/torch.compile (benchmarks/bench.py)
+    dpcs hardware [--device D] [--profile P] [--refresh] [--json]
+                                                  the hardware profile plans are costed with, and where it came from
 """
 
 from __future__ import annotations
@@ -18,16 +20,27 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rich.console import Console
+from rich.table import Table
+
+from dpcs_compiler.cost.profiles import BUILTIN_PROFILES
+from dpcs_compiler.debug.render import format_bytes
 
 from dpcs_compiler.debug.dump import SUMMARY_FILE
-from dpcs_compiler.debug.summary import graph_folders, load_summaries, pass_table, problems, summary_table
-from dpcs_compiler.options import DUMP_DIR_ENV
+from dpcs_compiler.debug.summary import (
+    graph_folders,
+    hardware_lines,
+    load_summaries,
+    pass_table,
+    problems,
+    summary_table,
+)
+from dpcs_compiler.options import DUMP_DIR_ENV, HARDWARE_PROFILE_ENV
 
 log = logging.getLogger("dpcs.cli")
 
 DEFAULT_DUMP_DIR = "dpcs_dump"
 EXIT_USAGE = 2  # like argparse: bad arguments, nothing to show
-_WIDE = 200  # columns when stdout is not a terminal, so piped tables keep whole rows
+_WIDE = 240  # columns when stdout is not a terminal, so piped tables keep whole rows
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,6 +106,30 @@ summary.json. Without this command, set DPCS_DUMP_DIR (or the backend option dum
         add_help=False,  # --help goes to the benchmark's own parser
     )
     bench.set_defaults(run=_bench_command, command_parser=bench)
+
+    hardware = commands.add_parser(
+        "hardware",
+        help="print the hardware profile plans are costed with, and where it came from",
+        description=(
+            "Print the hardware profile dpcs plans with on this machine: the --profile given, else "
+            f"{HARDWARE_PROFILE_ENV}, else the device's measured profile (measured once and cached under "
+            "$DPCS_CACHE_DIR/hardware, default ~/.cache/dpcs/hardware). It says where the profile came from "
+            "(measured when and cached where, built-in, or a file) and its short hash, which compile records "
+            "and dumps name too."
+        ),
+        epilog=(
+            "built-in profiles: " + ", ".join(f"{name} ({description})" for name, (description, _) in BUILTIN_PROFILES.items())
+            + ". `dpcs hardware --json > profile.json` writes a profile file to pin with "
+            f"options={{'hardware_profile': 'profile.json'}} or {HARDWARE_PROFILE_ENV}=profile.json."
+        ),
+    )
+    hardware.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available, else cpu)")
+    hardware.add_argument("--profile", default=None, metavar="P",
+                          help=f"'measure', a built-in name or a profile JSON file (default: ${HARDWARE_PROFILE_ENV} or 'measure')")
+    hardware.add_argument("--refresh", action="store_true", help="measure the device again and overwrite its cache")
+    hardware.add_argument("--json", action="store_true",
+                          help="print the profile as JSON (a profile file); where it came from goes to stderr")
+    hardware.set_defaults(run=_hardware_command, command_parser=hardware)
     return parser
 
 
@@ -142,6 +179,8 @@ def _show_command(args: argparse.Namespace, parser: argparse.ArgumentParser, out
 
 def print_summary(summaries: Sequence[dict], root: Path, out: Console) -> None:
     out.print(summary_table(summaries, root))
+    for line in hardware_lines(summaries, root):
+        out.print(line, markup=False, highlight=False, soft_wrap=True)
     out.print(pass_table(summaries))
     for line in problems(summaries, root):
         out.print(f"[red]fallback or incomplete[/red] {line}", highlight=False)
@@ -179,6 +218,54 @@ def _dump_command(args: argparse.Namespace, parser: argparse.ArgumentParser, out
                   markup=False, highlight=False, soft_wrap=True)
     print_summary(summaries, root, out)
     return status
+
+
+def _hardware_command(args: argparse.Namespace, parser: argparse.ArgumentParser, out: Console, err: Console) -> int:
+    import torch
+
+    from dpcs_compiler.cost.hardware import profile_to_json
+    from dpcs_compiler.cost.profiles import MEASURE, parse_profile_spec, resolve_profile
+
+    if args.profile is not None:
+        value, source = args.profile, "--profile"
+    elif os.environ.get(HARDWARE_PROFILE_ENV):
+        value, source = os.environ[HARDWARE_PROFILE_ENV], HARDWARE_PROFILE_ENV
+    else:
+        value, source = MEASURE, "--profile"
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        spec = parse_profile_spec(value, source=source)
+        resolved = resolve_profile(spec, device, refresh=args.refresh)
+    except ValueError as error:
+        err.print(f"dpcs hardware: error: {error}", markup=False, highlight=False, soft_wrap=True)
+        return EXIT_USAGE
+    if args.json:
+        print(profile_to_json(resolved.profile))
+        err.print(f"{resolved.profile.device_key}: {resolved.describe()}", markup=False, highlight=False, soft_wrap=True)
+        return 0
+    out.print(hardware_table(resolved))
+    return 0
+
+
+def hardware_table(resolved) -> Table:
+    """A profile's figures and provenance as a two-column table."""
+    profile = resolved.profile
+    table = Table(title=f"dpcs hardware profile #{resolved.hash}", show_header=False)
+    table.add_column("field", no_wrap=True)
+    table.add_column("value")
+    table.add_row("device", profile.device_key)
+    table.add_row("source", resolved.source)
+    table.add_row("measured", profile.measured_at + (f" with torch {profile.torch_version}" if profile.torch_version != profile.measured_at else ""))
+    for dtype, rate in sorted(profile.matmul_flops.items()):
+        table.add_row(f"matmul {dtype}", f"{rate / 1e12:.4g} TFLOP/s")
+    table.add_row("memory bandwidth", f"{profile.memory_bandwidth / 1e9:.4g} GB/s")
+    table.add_row("host to device", "-" if profile.host_to_device is None else f"{profile.host_to_device / 1e9:.3g} GB/s")
+    table.add_row("device to host", "-" if profile.device_to_host is None else f"{profile.device_to_host / 1e9:.3g} GB/s")
+    table.add_row("launch overhead", f"{profile.launch_overhead_s * 1e6:.3g} us")
+    table.add_row("memory", format_bytes(profile.memory_bytes))
+    if profile.cpu_share is not None:
+        table.add_row("CPU share", f"{profile.cpu_share:.2f}" + (" (busy: not cached)" if profile.busy else ""))
+    return table
 
 
 def bench_script() -> Path:

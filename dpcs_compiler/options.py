@@ -15,6 +15,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from dpcs_compiler.cost.hardware import HardwareProfile, profile_to_json
+from dpcs_compiler.cost.profiles import MEASURE, ProfileSpec, parse_profile_spec, profile_choices
+
 COMPILERS = ("inductor", "eager")
 ON_INFEASIBLE = ("error", "best")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -22,6 +25,7 @@ FP8_RECIPES = ("tensorwise", "rowwise")
 FP8_MATMULS = ("auto", "scaled_mm", "emulated")
 FP8_GRAD_DTYPES = ("e5m2", "e4m3")
 DUMP_DIR_ENV = "DPCS_DUMP_DIR"
+HARDWARE_PROFILE_ENV = "DPCS_HARDWARE_PROFILE"
 _BYTE_UNITS = {
     "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
@@ -61,6 +65,14 @@ def parse_memory_budget(value: Any) -> int | float | str | None:
             raise bad()
         return nbytes
     raise bad()
+
+
+def _reads_profile_files() -> bool:
+    """Whether this process reads a hardware profile file itself: not on ranks other than 0 of a distributed
+    job, which take rank 0's profile (the file may exist on rank 0's machine only)."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0)
 
 
 def _patterns(key: str, value: Any) -> tuple[str, ...]:
@@ -157,6 +169,14 @@ class DpcsOptions:
     fp8: None (or False), or the fp8 linear regions (`Fp8Options`, given as a dict; True for the defaults).
     detect_overflow: whether the compiled backward raises a device-side flag when a gradient is inf or NaN
         (`runtime/overflow.py`); None: on for fp16 and fp8, off otherwise.
+    hardware_profile: what the memory plan is costed with (`cost/profiles.py`): "measure" (the device's
+        profile, measured once and cached), a built-in name ("h100", "a100", "l4", "rtx4090",
+        "reference-cpu"), a path to a profile JSON file, or a HardwareProfile; defaults to the
+        DPCS_HARDWARE_PROFILE environment variable, else "measure".
+    rank_agreement: with torch.distributed initialized, every rank plans with rank 0's hardware profile and
+        a memory budget every rank can hold, and the ranks compare plan hashes once per compiled training
+        graph (an error names what differs). False for jobs whose ranks compile different graphs
+        (pipeline stages): each rank then plans alone.
     """
 
     compiler: str = "inductor"
@@ -168,6 +188,8 @@ class DpcsOptions:
     keep_fp32: tuple[str, ...] = ()
     fp8: Fp8Options | None = None
     detect_overflow: bool | None = None
+    hardware_profile: ProfileSpec = MEASURE
+    rank_agreement: bool = True
 
     def __post_init__(self) -> None:
         if self.compiler not in COMPILERS:
@@ -199,6 +221,22 @@ class DpcsOptions:
             raise ValueError(
                 f"dpcs option 'detect_overflow'={self.detect_overflow!r} is not valid; valid choices: None, True, False"
             )
+        if not isinstance(self.rank_agreement, bool):
+            raise ValueError(
+                f"dpcs option 'rank_agreement'={self.rank_agreement!r} is not valid; valid choices: True, False"
+            )
+        object.__setattr__(
+            self, "hardware_profile", parse_profile_spec(self.hardware_profile, source="dpcs option 'hardware_profile'")
+        )
+        if (
+            isinstance(self.hardware_profile, Path)
+            and not self.hardware_profile.is_file()
+            and (_reads_profile_files() or not self.rank_agreement)
+        ):
+            raise ValueError(
+                f"dpcs option 'hardware_profile' (or {HARDWARE_PROFILE_ENV}): no profile file at "
+                f"{str(self.hardware_profile)!r}; valid choices: {profile_choices()}"
+            )
 
     @property
     def overflow_detected(self) -> bool:
@@ -209,7 +247,8 @@ class DpcsOptions:
 
     @classmethod
     def from_dict(cls, options: Mapping[str, Any] | None) -> DpcsOptions:
-        """Build options from the dict given to torch.compile; DPCS_DUMP_DIR fills an unset dump_dir."""
+        """Build options from the dict given to torch.compile; DPCS_DUMP_DIR fills an unset dump_dir and
+        DPCS_HARDWARE_PROFILE an unset hardware_profile."""
         options = dict(options or {})
         if not isinstance(options, dict):
             raise ValueError(f"dpcs options must be a dict, got {type(options).__name__}")
@@ -219,12 +258,20 @@ class DpcsOptions:
                 raise ValueError(f"unknown dpcs option {key!r}; valid options: {', '.join(map(repr, valid))}")
         if options.get("dump_dir") is None and os.environ.get(DUMP_DIR_ENV):
             options["dump_dir"] = os.environ[DUMP_DIR_ENV]
+        if options.get("hardware_profile") is None and os.environ.get(HARDWARE_PROFILE_ENV):
+            options["hardware_profile"] = parse_profile_spec(
+                os.environ[HARDWARE_PROFILE_ENV], source=f"environment variable {HARDWARE_PROFILE_ENV}"
+            )
+        elif options.get("hardware_profile", MEASURE) is None:
+            options["hardware_profile"] = MEASURE
         return cls(**options)
 
     def to_json(self) -> dict[str, Any]:
         def plain(value: Any) -> Any:
             if isinstance(value, Path):
                 return str(value)
+            if isinstance(value, HardwareProfile):
+                return json.loads(profile_to_json(value))
             if isinstance(value, Fp8Options):
                 return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(value).items()}
             return list(value) if isinstance(value, tuple) else value
@@ -232,6 +279,9 @@ class DpcsOptions:
         return {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
     def fingerprint(self) -> str:
-        """Stable hash of the options that change compiled code (the dump folder and strictness do not)."""
-        relevant = {k: v for k, v in self.to_json().items() if k not in ("dump_dir", "strict")}
+        """Stable hash of the options that change compiled code (the dump folder and strictness do not; the
+        hardware profile is in the plan as the profile itself, wherever it came from)."""
+        relevant = {
+            k: v for k, v in self.to_json().items() if k not in ("dump_dir", "strict", "hardware_profile", "rank_agreement")
+        }
         return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]

@@ -33,8 +33,9 @@ import torch.fx as fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
-from dpcs_compiler.cost.budget import WORKSPACE_FRACTION, planning_target, resolve_budget
-from dpcs_compiler.cost.hardware import hardware_profile
+from dpcs_compiler.cost.budget import WORKSPACE_FRACTION, DeviceMemory, planning_target, resolve_budget
+from dpcs_compiler.cost.hardware import HardwareProfile, ResolvedProfile
+from dpcs_compiler.cost.profiles import resolve_profile
 from dpcs_compiler.cost.memory_model import OFFLOAD, RECOMPUTE, SAVE, MemoryProblem, plan_memory
 from dpcs_compiler.cost.op_time import node_seconds, transfer_seconds
 from dpcs_compiler.debug.render import format_bytes
@@ -58,6 +59,7 @@ from dpcs_compiler.passes.rewrite.offload import insert_offloads
 from dpcs_compiler.passes.rewrite.overflow_check import OverflowCheck
 from dpcs_compiler.passes.rewrite.partition import partition_by_plan, recast_parameters_in_backward, recompute_upcasts
 from dpcs_compiler.plan import Plan, ValueDecision
+from dpcs_compiler import rank_agreement
 from dpcs_compiler.report import CompileRecord, add_record
 from dpcs_compiler.runtime.fp8 import scaled_mm_supported
 from dpcs_compiler.solve import solve
@@ -87,7 +89,9 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Dp
     while True:
         job.replanning = True  # a ScheduleOverBudget is caught here, not at a lazily compiled backward's call
         try:
-            return aot_compile(gm, example_inputs, partitioner, part_compiler, options)
+            compiled = aot_compile(gm, example_inputs, partitioner, part_compiler, options)
+            job.check_ranks_agree()
+            return compiled
         except ScheduleOverBudget as over:
             # The compiled graphs of the plan hold more than the model counted: plan again with that much
             # less room in each phase (never less than measured before: no oscillation).
@@ -164,6 +168,7 @@ class GraphJob:
     partition_excess: dict[str, int] = dataclasses.field(default_factory=dict)
     replanning: bool = False
     provisional: bool = False  # a re-plan the solver found over, compiled to be read (`hold_to_budget`)
+    graph_fingerprint: str = ""  # the Dynamo graph's identity across ranks (`rank_agreement`)
 
     @classmethod
     def start(cls, gm: fx.GraphModule, example_inputs: Sequence[Any], options: DpcsOptions) -> GraphJob:
@@ -189,8 +194,32 @@ class GraphJob:
         parameters = tuple(i for i, x in enumerate(example_inputs) if isinstance(x, torch.nn.Parameter))
         log.info("compiling %s: %d Dynamo nodes", name, record.dynamo_nodes)
         job = cls(options, record, ctx, parameters, dumper)
+        job.graph_fingerprint = rank_agreement.graph_fingerprint(gm.code, example_inputs)
         job.finish()  # a compile that stops early still leaves a summary behind
         return job
+
+    @property
+    def agreeing_ranks(self) -> bool:
+        """Whether this graph's planning inputs come from rank 0 and its plan is compared across ranks."""
+        return self.options.rank_agreement and rank_agreement.world() is not None
+
+    def hardware_profile(self, device: torch.device) -> ResolvedProfile:
+        """The profile this graph is planned with: the option's (or DPCS_HARDWARE_PROFILE's), resolved by rank 0
+        of a distributed job and used by every rank."""
+        spec = self.options.hardware_profile
+        if not self.agreeing_ranks:
+            return resolve_profile(spec, device)
+        resolved = rank_agreement.from_rank_zero(lambda: resolve_profile(spec, device), "hardware profile")
+        rank, _ = rank_agreement.world()
+        return resolved if rank == 0 else ResolvedProfile(resolved.profile, f"rank 0's, {resolved.source}")
+
+    def check_ranks_agree(self) -> None:
+        """In a distributed job, compare this training graph's plan across the ranks (one small collective)."""
+        if not self.agreeing_ranks or self.record.mode != "training":
+            return
+        fields = {k: v for k, v in self.plan.to_json().items() if k not in ("graph", "hash", "plan_hash")}
+        label = self.record.graph + (f" (Dynamo id {self.record.compile_id})" if self.record.compile_id else "")
+        rank_agreement.check_plans_agree(label, self.graph_fingerprint, fields)
 
     @property
     def plan(self) -> Plan:
@@ -269,6 +298,7 @@ class GraphJob:
 
     def finish(self) -> None:
         """Write the plan and the summary (again after each stage, so a lazy backward updates them)."""
+        self.record.plan_hash = self.plan.plan_hash()
         if self.dumper is not None:
             from dpcs_compiler.debug.dump import write_summary
 
@@ -405,6 +435,24 @@ class BudgetInfeasibleError(ValueError):
     """No plan brings the step's peak within the memory budget (and on_infeasible is "error")."""
 
 
+def planning_budget(job: GraphJob, device: torch.device, resident_bytes: int, profile: HardwareProfile) -> int:
+    """The memory_budget in bytes for this graph.
+
+    A fraction or "auto" is of the memory of the device the graph runs on, except when the profile describes
+    another kind of device (a GPU profile planning a graph traced on the CPU): then of the profile's memory,
+    that device assumed to hold nothing but this step. In a distributed job such a budget is the smallest over
+    the ranks, so the plan fits on every one.
+    """
+    spec = job.options.memory_budget
+    memory = None
+    if profile.device_type != device.type and profile.memory_bytes is not None:
+        memory = DeviceMemory(total_bytes=profile.memory_bytes, free_bytes=max(0, profile.memory_bytes - resident_bytes))
+    budget = resolve_budget(spec, device, resident_bytes, memory=memory)
+    if not isinstance(spec, int) and job.agreeing_ranks:
+        budget = rank_agreement.smallest(budget)
+    return budget
+
+
 def plan_memory_budget(job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: int) -> PlanningGraph:
     """Candidates, cost model and solver: write the plan's decisions for the budget into `job.plan`."""
     ctx, options = job.ctx, job.options
@@ -418,7 +466,8 @@ def plan_memory_budget(job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: in
         )
         planning = ctx.analyses.get(planning_graph, schedule)
         device = graph_device(joint)
-        profile = hardware_profile(device)
+        resolved = job.hardware_profile(device)
+        profile = resolved.profile
         costs = ctx.analyses.get(op_cost, joint).per_node
         no_cost = NodeCost(0, 0, 0)
 
@@ -430,13 +479,14 @@ def plan_memory_budget(job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: in
                 cost = NodeCost(cost.flops, 0, 0)
             return node_seconds(cost, value_dtype(node), profile)
 
-        transfer = (lambda nbytes: transfer_seconds(nbytes, profile)) if device.type == "cuda" else None
+        # Offload is a host link's: the profile's (a GPU profile plans offloads even for a graph traced on CPU).
+        transfer = (lambda nbytes: transfer_seconds(nbytes, profile)) if profile.host_to_device is not None else None
         job.problem = planning.memory_problem(seconds, transfer)
         job.measured_excess, job.carried_excess = {}, 0
         job.record.fusions_refused = 0
         # Under Inductor, after a re-plan: the bytes its schedule held beyond the model (zero at first).
         problem = job.problem.with_schedule_excess(job.schedule_excess["forward"], job.schedule_excess["backward"])
-        budget = resolve_budget(options.memory_budget, device, planning.resident_bytes)
+        budget = planning_budget(job, device, planning.resident_bytes, profile)
     with ctx.instrumented("plan", "solve"):
         # A graph whose backward reads nothing of the forward has nothing to decide.
         # Plans are held to the budget less an allowance for memory kernels allocate inside themselves.
@@ -463,13 +513,15 @@ def plan_memory_budget(job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: in
     ctx.plan = dataclasses.replace(
         job.plan.with_values(values),
         budget_bytes=budget,
-        hardware=profile.device_key,
+        hardware=f"{profile.device_key}#{resolved.hash}",
         predicted_peak_bytes=solution.peak_bytes,
         feasible=solution.feasible,
         peak_node=schedule.nodes[peak_step].name if peak_step >= 0 else None,
     )
     record = job.record
     record.budget_bytes, record.plan_feasible, record.solver = budget, solution.feasible, solution.solver
+    record.hardware_profile = f"{profile.device_key}: {resolved.describe()}"
+    record.planned_for = profile.device_key if profile.device_type != device.type else None
     record.recomputed_values = decisions.count(RECOMPUTE)
     record.offloaded_values = decisions.count(OFFLOAD)
     record.plan_added_seconds = solution.added_seconds

@@ -34,6 +34,12 @@ class CompileRecord:
     recomputed_values: int = 0
     offloaded_values: int = 0
     plan_added_seconds: float | None = None  # estimated recompute and exposed copy time per step
+    # The hardware profile the plan was costed with: "<device key>: <where it came from> #<short hash>", and
+    # the device it describes when that is another kind than the graph's (a GPU planned for from a CPU: the
+    # predicted peak is that device's, not measurable here).
+    hardware_profile: str | None = None
+    planned_for: str | None = None
+    plan_hash: str | None = None  # the plan's hash (`Plan.plan_hash`): equal hashes, equal compiled graphs
     partition_peak_bytes: int | None = None  # the same plan simulated on the partitioned graphs (a check)
     # Inductor only: bytes its fused schedule of each graph holds beyond the modelled FX order (measured on
     # the scheduler, >= 0 counts against the budget), and how often the plan was re-made for them.

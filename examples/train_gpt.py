@@ -8,6 +8,8 @@ measures without a plan (torch's min-cut partition), then prints what dpcs decid
 graph (values saved, recomputed, offloaded; budget; predicted peak) and what it saved: measured peak and
 median step time with the budget against without it. `--precision` and `--fp8` apply to both runs
 (on a CPU, bf16/fp16/fp8 matmuls are far slower than fp32: use them there to see memory, not speed).
+The plan is costed with the hardware profile DPCS_HARDWARE_PROFILE names ("h100" plans for that GPU from
+here), else this machine's, measured once and cached; the printout names it and each plan's hash.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from rich.table import Table
 
 from dpcs_compiler import compile_records
 from dpcs_compiler.debug.render import format_bytes
+from dpcs_compiler.debug.summary import hardware_lines
 from dpcs_compiler.measure import measure_training_step
 from dpcs_compiler.models import workload
 
@@ -37,7 +40,7 @@ def main() -> None:
     parser.add_argument("--fp8", choices=["tensorwise", "rowwise"], default=None, help="fp8 linears with this recipe")
     args = parser.parse_args()
     precision = {"precision": args.precision, "fp8": None if args.fp8 is None else {"recipe": args.fp8, "min_size": 64}}
-    console = Console(width=160)
+    console = Console(width=200)
 
     w = workload("gpt", args.batch, layers=args.layers)
     model = w.model.to(args.device)
@@ -84,18 +87,21 @@ def main() -> None:
     )
     table = Table(title="what dpcs decided, per compiled graph")
     columns = ("graph", "mode", "precision", "nodes fwd/bwd", "saved", "recomputed", "offloaded", "budget", "plan",
-               "predicted peak", "peak at", "dpcs time")
+               "predicted peak", "peak at", "plan hash", "dpcs time")
     for column in columns:
-        table.add_column(column)
+        table.add_column(column, no_wrap=column == "plan hash")
     for r in compile_records():
         table.add_row(
             r.graph, r.mode, r.precision + (f", {r.fp8_linears} fp8 linears" if r.fp8_linears else ""),
             f"{r.forward_nodes}/{r.backward_nodes}", f"{r.saved_values} values, {format_bytes(r.saved_bytes)}",
             str(r.recomputed_values), str(r.offloaded_values), format_bytes(r.budget_bytes),
             "-" if r.plan_feasible is None else "fits" if r.plan_feasible else "over budget",
-            format_bytes(r.predicted_peak_bytes), r.peak_node or "-", f"{sum(r.pass_seconds.values()):.2f} s",
+            format_bytes(r.predicted_peak_bytes), r.peak_node or "-", r.plan_hash or "-",
+            f"{sum(r.pass_seconds.values()):.2f} s",
         )
     console.print(table)
+    for line in hardware_lines([r.to_json() for r in compile_records()]):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
     error = measured.relative_error
     console.print(
         f"graphs compiled: {len(compile_records())}; predicted peak {format_bytes(measured.predicted_peak_bytes)}, "

@@ -12,13 +12,20 @@ import warnings
 from pathlib import Path
 
 from dpcs_compiler import clear_compile_records, compile_records
+from dpcs_compiler.cost.hardware import FORMAT_VERSION, HardwareProfile, device_key
 from dpcs_compiler.measure import measure_training_step
 
 COMPILERS = ["eager", pytest.param("inductor", marks=pytest.mark.inductor)]
 
 
+# Every test plans with this fixed profile unless it says otherwise, so a test that asserts a plan decision
+# expects the same plan on every CPU CI runs on (AVX2-only, AVX512-BF16, AMX; 2 or more cores).
+TEST_HARDWARE_PROFILE = "reference-cpu"
+
+
 @pytest.fixture(autouse=True)
-def fresh_compile_state():
+def fresh_compile_state(monkeypatch):
+    monkeypatch.setenv("DPCS_HARDWARE_PROFILE", TEST_HARDWARE_PROFILE)
     torch._dynamo.reset()
     clear_compile_records()
     torch.manual_seed(0)
@@ -107,3 +114,92 @@ class WritesBetweenReads(torch.nn.Module):
         a = self.first(y)
         y.mul_(100.0)
         return a + self.second(y)
+
+
+class SquaredLinearBlock(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fast = torch.nn.Linear(d, d, bias=False)
+        self.exact = torch.nn.Linear(d, d, bias=False)
+
+    def forward(self, x):
+        h = self.fast(x)
+        h = self.exact(h * h)
+        return h * h
+
+
+class SquaredLinears(torch.nn.Module):
+    """Blocks of two linears, each output squared, so the backward reads each matmul's output itself. Compiled
+    with `SQUARED_LINEARS_PRECISION`, `fast` computes in bf16 and `exact` in fp32: under a budget that makes
+    some matmuls recompute, which ones shows how fast the hardware profile says each dtype is."""
+
+    def __init__(self, d: int = 256, blocks: int = 4) -> None:
+        super().__init__()
+        self.blocks = torch.nn.Sequential(*[SquaredLinearBlock(d) for _ in range(blocks)])
+
+    def forward(self, x):
+        return self.blocks(x).sum()
+
+
+SQUARED_LINEARS_PRECISION = {"precision": "bf16", "keep_fp32": ["*.exact"]}
+
+
+def fake_profile(**changes) -> HardwareProfile:
+    """A valid profile of this CPU as `measure_hardware_profile` would return it, with `changes`."""
+    fields = dict(
+        device_key=device_key("cpu"),
+        torch_version=torch.__version__,
+        format_version=FORMAT_VERSION,
+        matmul_flops={"float32": 1e11, "bfloat16": 2e11, "float16": 5e10},
+        memory_bandwidth=2e10,
+        host_to_device=None,
+        device_to_host=None,
+        launch_overhead_s=1e-6,
+        measured_at="2026-01-01T00:00:00+00:00",
+        cpu_share=0.95,
+        memory_bytes=24 * 2**30,
+    )
+    return HardwareProfile(**{**fields, **changes})
+
+
+def profile_with_matmul_rates(float32: float, bfloat16: float) -> HardwareProfile:
+    """A CPU profile with these matmul FLOP/s (float16 as bfloat16) and fixed other figures."""
+    return fake_profile(
+        device_key="cpu:test profile:2", torch_version="test", measured_at="test", memory_bandwidth=5e10,
+        matmul_flops={"float32": float32, "bfloat16": bfloat16, "float16": bfloat16},
+    )
+
+
+FP32_FAST = profile_with_matmul_rates(1e12, 1e10)  # an AVX2-only CPU: bf16 matmuls emulated, 100x slower
+BF16_FAST = profile_with_matmul_rates(1e10, 1e12)  # bf16 matmul units (AMX, tensor cores) and slow fp32
+
+
+def squared_linears_step(model, x, **options):
+    """Compile afresh and run one step of `SquaredLinears` in bf16 with `fast`/`exact` matmuls: its record."""
+    torch._dynamo.reset()
+    clear_compile_records()
+    compiled = dpcs_compile(model, "eager", **SQUARED_LINEARS_PRECISION, **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # on_infeasible="best" warns; the record says it
+        compiled(x).backward()
+    (record,) = [r for r in compile_records() if r.mode == "training"]
+    return record
+
+
+@contextlib.contextmanager
+def recomputed_matmuls(monkeypatch):
+    """Collects, for each graph partitioned by a plan, the dtypes of the forward matmuls its plan re-runs."""
+    import dpcs_compiler.pipeline as pipeline
+    from dpcs_compiler.plan import RECOMPUTE
+
+    seen: list[list[torch.dtype]] = []
+    real = pipeline.partition_by_plan
+
+    def spy(joint, joint_inputs, planning, decisions, **kwargs):
+        rerun = {n for c, d in zip(planning.candidates, decisions) if d == RECOMPUTE for n in c.recompute_nodes}
+        seen.append(sorted((n.meta["val"].dtype for n in rerun if n.target == torch.ops.aten.mm.default), key=str))
+        return real(joint, joint_inputs, planning, decisions, **kwargs)
+
+    monkeypatch.setattr(pipeline, "partition_by_plan", spy)
+    yield seen
+    monkeypatch.setattr(pipeline, "partition_by_plan", real)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dpcs_compiler.options import DUMP_DIR_ENV, DpcsOptions
+from dpcs_compiler.options import DUMP_DIR_ENV, HARDWARE_PROFILE_ENV, DpcsOptions
 
 
 def test_defaults():
@@ -132,3 +132,33 @@ def test_precision_options_and_their_defaults():
 def test_bad_precision_options_name_themselves(bad, message):
     with pytest.raises(ValueError, match=message):
         DpcsOptions.from_dict(bad)
+
+
+def test_the_hardware_profile_defaults_to_the_environment_else_measure(monkeypatch):
+    assert DpcsOptions.from_dict({}).hardware_profile == "reference-cpu"  # the test suite's pin (conftest)
+    monkeypatch.delenv(HARDWARE_PROFILE_ENV)
+    assert DpcsOptions.from_dict({}).hardware_profile == "measure"
+    assert DpcsOptions.from_dict({"hardware_profile": None}).hardware_profile == "measure"
+    monkeypatch.setenv(HARDWARE_PROFILE_ENV, "h100")
+    assert DpcsOptions.from_dict({}).hardware_profile == "h100"
+    assert DpcsOptions.from_dict({"hardware_profile": "l4"}).hardware_profile == "l4"  # code wins
+
+
+def test_a_bad_hardware_profile_names_the_option_or_the_variable(monkeypatch, tmp_path):
+    with pytest.raises(ValueError, match=r"dpcs option 'hardware_profile'='h200' is not valid; valid choices: 'measure'"):
+        DpcsOptions.from_dict({"hardware_profile": "h200"})
+    missing = tmp_path / "gpu.json"
+    with pytest.raises(ValueError, match=f"'hardware_profile' \\(or {HARDWARE_PROFILE_ENV}\\): no profile file at '{missing}'"):
+        DpcsOptions.from_dict({"hardware_profile": str(missing)})
+    monkeypatch.setenv(HARDWARE_PROFILE_ENV, "A100")
+    with pytest.raises(ValueError, match=f"environment variable {HARDWARE_PROFILE_ENV}='A100' is not valid"):
+        DpcsOptions.from_dict({})
+    with pytest.raises(ValueError, match="'rank_agreement'='yes' is not valid; valid choices: True, False"):
+        DpcsOptions.from_dict({"hardware_profile": "h100", "rank_agreement": "yes"})
+
+
+def test_the_profile_is_not_in_the_options_fingerprint():
+    """The plan carries the resolved profile itself (`Plan.hardware`): how it was named must not make two
+    ranks' plans differ when rank 0's profile is used on both."""
+    fingerprints = {DpcsOptions.from_dict({"hardware_profile": p}).fingerprint() for p in ("measure", "h100", "l4")}
+    assert len(fingerprints) == 1

@@ -53,13 +53,18 @@ def _available_host_bytes(total: int) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") if hasattr(os, "sysconf") else total
 
 
-def resolve_budget(spec: int | float | str, device: torch.device, resident_bytes: int) -> int:
-    """Bytes the step's peak may reach, from a parsed memory_budget option (see options.parse_memory_budget)."""
+def resolve_budget(
+    spec: int | float | str, device: torch.device, resident_bytes: int, *, memory: DeviceMemory | None = None
+) -> int:
+    """Bytes the step's peak may reach, from a parsed memory_budget option (see options.parse_memory_budget).
+
+    `memory` is the device's memory as planned for (default: `device_memory(device)`, read now).
+    """
     if isinstance(spec, bool):
         raise ValueError(f"memory_budget {spec!r} is not valid")
     if isinstance(spec, int):
         return spec
-    memory = device_memory(device)
+    memory = device_memory(device) if memory is None else memory
     if isinstance(spec, float):
         return int(spec * memory.total_bytes)
     if spec == "auto":

@@ -119,6 +119,7 @@ def summary_table(summaries: Sequence[dict[str, Any]], root: Path | None = None)
     table.add_column("budget", justify="right", no_wrap=True)
     table.add_column("plan", no_wrap=True)
     table.add_column("peak node")
+    table.add_column("plan hash", no_wrap=True)
     table.add_column("pass time", justify="right", no_wrap=True)
     table.add_column("fallback")
     for summary in summaries:
@@ -134,6 +135,7 @@ def summary_table(summaries: Sequence[dict[str, Any]], root: Path | None = None)
             format_bytes(summary.get("budget_bytes")),
             _plan_cell(summary),
             str(summary.get("peak_node") or "-"),
+            str(summary.get("plan_hash") or "-"),
             f"{total_pass_seconds(summary):.3f} s",
             _fallback_cell(summary),
         )
@@ -155,6 +157,26 @@ def _plan_cell(summary: dict[str, Any]) -> str:
         return "-"
     verdict = "fits" if summary.get("plan_feasible") else "over budget"
     return f"{verdict}: {summary.get('recomputed_values', 0)} recomputed, {summary.get('offloaded_values', 0)} offloaded"
+
+
+def hardware_lines(summaries: Sequence[dict[str, Any]], root: Path | None = None) -> list[str]:
+    """One line per hardware profile the plans were costed with, naming its graphs; a profile of another kind
+    of device than the graphs ran on (a GPU planned for from a CPU) says its peaks are predicted only."""
+    graphs: dict[tuple[str, str | None], list[str]] = {}
+    for summary in summaries:
+        if summary.get("hardware_profile"):
+            key = (summary["hardware_profile"], summary.get("planned_for"))
+            graphs.setdefault(key, []).append(_graph_label(summary, root))
+    lines = []
+    for (profile, planned_for), names in graphs.items():
+        line = f"hardware profile {profile} (plans of {', '.join(names)})"
+        if planned_for:
+            line += (
+                f"; planned for {planned_for} from another kind of device: the predicted peaks and step times are "
+                "that device's, not measured here"
+            )
+        lines.append(line)
+    return lines
 
 
 def pass_table(summaries: Sequence[dict[str, Any]]) -> Table:

@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from dpcs_testing import fake_profile
 from dpcs_compiler.cost import hardware
 from dpcs_compiler.cost.hardware import (
     BUSY_CPU_SHARE,
@@ -30,23 +31,6 @@ from dpcs_compiler.cost.hardware import (
     profile_from_json,
     profile_to_json,
 )
-
-
-def fake_profile(**changes) -> HardwareProfile:
-    fields = dict(
-        device_key=device_key("cpu"),
-        torch_version=torch.__version__,
-        format_version=FORMAT_VERSION,
-        matmul_flops={"float32": 1e11, "bfloat16": 2e11, "float16": 5e10},
-        memory_bandwidth=2e10,
-        host_to_device=None,
-        device_to_host=None,
-        launch_overhead_s=1e-6,
-        measured_at="2026-01-01T00:00:00+00:00",
-        cpu_share=0.95,
-        memory_bytes=24 * 2**30,
-    )
-    return HardwareProfile(**{**fields, **changes})
 
 
 @pytest.fixture

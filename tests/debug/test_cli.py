@@ -16,9 +16,13 @@ from pathlib import Path
 
 import pytest
 
+from dpcs_testing import fake_profile
+
 from dpcs_compiler.cli import main
+from dpcs_compiler.cost import hardware
+from dpcs_compiler.cost.profiles import resolve_profile
 from dpcs_compiler.debug.render import format_bytes
-from dpcs_compiler.options import DUMP_DIR_ENV
+from dpcs_compiler.options import DUMP_DIR_ENV, HARDWARE_PROFILE_ENV
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -65,7 +69,7 @@ TINY_MLP = textwrap.dedent(
 )
 
 COLUMNS = ["graph", "dynamo id", "mode", "compiler", "precision", "dynamo", "joint", "forward", "backward", "saved",
-           "peak", "budget", "plan", "peak node", "pass time", "fallback"]
+           "peak", "budget", "plan", "peak node", "plan hash", "pass time", "fallback"]
 
 # Each kind of file a training graph's folder must hold, as a glob.
 EXPECTED_FILES = [
@@ -220,6 +224,7 @@ def test_show_missing_folder_as_a_user_runs_it(tmp_path):
         (["--help"], ["dpcs dump --out dumps train.py", "show", "DPCS_DUMP_DIR"]),
         (["dump", "--help"], ["SCRIPT.py [ARGS ...]", "--out DIR", "exit status"]),
         (["show", "--help"], ["DIR", "simulated peak", "plain Inductor"]),
+        (["hardware", "--help"], ["--refresh", "--json", "h100 (NVIDIA H100 SXM5 80GB, datasheet)", "reference-cpu"]),
     ],
 )
 def test_help(capsys, argv, expected):
@@ -234,3 +239,65 @@ def test_help(capsys, argv, expected):
 def test_console_script_is_declared():
     [script] = [e for e in entry_points(group="console_scripts") if e.name == "dpcs"]
     assert script.value == "dpcs_compiler.cli:main"
+
+
+def test_hardware_shows_the_profile_in_use_and_where_it_came_from(capsys):
+    assert main(["hardware"]) == 0  # the suite pins DPCS_HARDWARE_PROFILE=reference-cpu
+    out = " ".join(capsys.readouterr().out.split())
+    assert "cpu:dpcs reference CPU (2-core AVX2):2" in out and "built-in 'reference-cpu'" in out
+    assert main(["hardware", "--profile", "h100"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    resolved = resolve_profile("h100", "cpu")
+    assert f"dpcs hardware profile #{resolved.hash}" in out and "built-in 'h100' (NVIDIA H100 SXM5 80GB, datasheet)" in out
+    assert "matmul float8_e4m3fn │ 1979 TFLOP/s" in out and "host to device │ 64 GB/s" in out and "80.00 GiB" in out
+
+
+def test_hardware_json_is_a_profile_file_to_pin(tmp_path, capsys):
+    assert main(["hardware", "--json", "--profile", "l4"]) == 0
+    captured = capsys.readouterr()
+    path = tmp_path / "l4.json"
+    path.write_text(captured.out)
+    assert resolve_profile(path, "cpu").profile == resolve_profile("l4", "cpu").profile
+    assert "built-in 'l4'" in captured.err
+
+
+def test_hardware_measures_once_caches_and_refreshes(tmp_path, monkeypatch, capsys):
+    calls = []
+
+    def measure(device):
+        calls.append(device)
+        return fake_profile(measured_at=f"2026-01-0{len(calls)}T00:00:00+00:00")
+
+    monkeypatch.delenv(HARDWARE_PROFILE_ENV)
+    monkeypatch.setenv("DPCS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(hardware, "measure_hardware_profile", measure)
+    hardware.forget_memoized_profiles()
+    try:
+        for argv in (["hardware"], ["hardware", "--device", "cpu"], ["hardware", "--refresh"]):
+            hardware.forget_memoized_profiles()  # each command is a new process
+            assert main(argv) == 0
+        outputs = capsys.readouterr().out
+    finally:
+        hardware.forget_memoized_profiles()
+    assert len(calls) == 2  # measured, read from the cache, measured again
+    assert "measured 2026-01-02T00:00:00+00:00, cached at" in " ".join(outputs.split())
+    assert str(tmp_path / "hardware") in outputs.replace("│", "").replace("\n", "").replace(" ", "")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["hardware", "--profile", "h200"], "--profile='h200' is not valid; valid choices: 'measure'"),
+        (["hardware", "--profile", "missing.json"], "'missing.json' cannot be read"),
+        (["hardware", "--profile", "h100", "--refresh"], "the profile 'h100' is not measured"),
+    ],
+)
+def test_hardware_errors_exit_2_naming_the_value(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in " ".join(capsys.readouterr().err.split())
+
+
+def test_hardware_names_a_bad_environment_variable(monkeypatch, capsys):
+    monkeypatch.setenv(HARDWARE_PROFILE_ENV, "tpu")
+    assert main(["hardware"]) == 2
+    assert f"{HARDWARE_PROFILE_ENV}='tpu' is not valid" in capsys.readouterr().err

@@ -10,6 +10,7 @@ from rich.console import Console
 
 from dpcs_compiler.debug.summary import (
     graph_folders,
+    hardware_lines,
     load_summaries,
     pass_seconds,
     pass_table,
@@ -20,7 +21,7 @@ from dpcs_compiler.report import CompileRecord
 
 
 def render(table) -> str:
-    console = Console(file=io.StringIO(), width=200)
+    console = Console(file=io.StringIO(), width=240)
     console.print(table)
     return console.file.getvalue()
 
@@ -31,6 +32,10 @@ def write_record(folder, compile_id=None, attempt=0, **fields):
     (folder / "summary.json").write_text(json.dumps(record.to_json() | {"compile_id": compile_id, "attempt": attempt}))
 
 
+H100 = "cuda:NVIDIA H100 80GB HBM3:9.0: built-in 'h100' (NVIDIA H100 SXM5 80GB, datasheet) #c3bf7dbe9007"
+CPU = "cpu:AMD EPYC:2: measured 2026-11-24T18:58:56+00:00, cached at /c/x.json #651e4a27dc3b"
+
+
 @pytest.fixture
 def dumps(tmp_path):
     """Two runs into one root (one nested), a graph that fell back, and one that stopped before its summary."""
@@ -38,14 +43,17 @@ def dumps(tmp_path):
     write_record(
         root / "graph_000", compile_id="0/0", dynamo_nodes=9, joint_nodes=31, forward_nodes=11, backward_nodes=25,
         saved_bytes=1024, predicted_peak_bytes=7072, peak_node="sum_2", precision="bf16", fp8_linears=3,
-        pass_seconds={"joint/analyses": 0.25, "partition/min_cut": 0.5},
+        pass_seconds={"joint/analyses": 0.25, "partition/min_cut": 0.5}, plan_hash="0123456789abcdef",
+        hardware_profile=H100, planned_for="cuda:NVIDIA H100 80GB HBM3:9.0",
     )
     write_record(
         root / "run2" / "graph_000", compile_id="1/0", attempt=1, mode="inference", dynamo_nodes=4, forward_nodes=5,
         predicted_peak_bytes=3 * 2**20, peak_node="addmm",
         pass_seconds={"inference/analyses": 0.125, "joint/analyses": 0.25},
     )
-    write_record(root / "graph_001", fallback="RuntimeError: boom")
+    write_record(root / "graph_001", fallback="RuntimeError: boom", hardware_profile=H100,
+                 planned_for="cuda:NVIDIA H100 80GB HBM3:9.0")
+    write_record(root / "graph_003", hardware_profile=CPU)
     (root / "graph_002").mkdir()
     (root / "graph_002" / "00_dynamo.txt").write_text("graph")
     (root / "not_a_graph").mkdir()
@@ -55,7 +63,7 @@ def dumps(tmp_path):
 
 def test_graph_folders_are_found_at_any_depth(dumps):
     assert [f.relative_to(dumps).as_posix() for f in graph_folders(dumps)] == [
-        "graph_000", "graph_001", "graph_002", "run2/graph_000",
+        "graph_000", "graph_001", "graph_002", "graph_003", "run2/graph_000",
     ]
     assert graph_folders(dumps / "missing") == []
 
@@ -86,17 +94,25 @@ def test_summary_table_has_one_row_per_graph(dumps):
     text = render(summary_table(load_summaries(dumps), root=dumps))
     rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]] for line in text.splitlines()
             if line.startswith("│")}
-    assert set(rows) == {"graph_000", "graph_001", "graph_002", "run2/graph_000"}
+    assert set(rows) == {"graph_000", "graph_001", "graph_002", "graph_003", "run2/graph_000"}
     assert rows["graph_000"] == [
         "0/0", "training", "eager", "bf16, 3 fp8 linears", "9", "31", "11", "25", "1.00 KiB", "6.91 KiB", "-", "-",
-        "sum_2", "0.750 s", "no",
+        "sum_2", "0123456789abcdef", "0.750 s", "no",
     ]
     assert rows["run2/graph_000"][:8] == ["1/0 (attempt 1)", "inference", "eager", "fp32", "4", "-", "5", "-"]
     assert rows["run2/graph_000"][9:13] == ["3.00 MiB", "-", "-", "addmm"]
     assert rows["graph_001"][0] == "-"
     assert rows["graph_001"][-1] == "yes"
     assert rows["graph_002"][-1] == "incomplete"
-    assert "4 compiled graphs" in text
+    assert "5 compiled graphs" in text
+
+
+def test_hardware_lines_name_each_profile_its_graphs_and_a_plan_for_another_device(dumps):
+    assert hardware_lines(load_summaries(dumps), root=dumps) == [
+        f"hardware profile {H100} (plans of graph_000, graph_001); planned for cuda:NVIDIA H100 80GB HBM3:9.0 from "
+        "another kind of device: the predicted peaks and step times are that device's, not measured here",
+        f"hardware profile {CPU} (plans of graph_003)",
+    ]
 
 
 def test_pass_table_and_problems(dumps):
