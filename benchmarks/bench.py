@@ -68,7 +68,8 @@ DEDUPE_RELATIVE = 0.005  # upstream peaks within 0.5% of each other give one dpc
 # CompileRecord fields kept per dpcs graph (read with getattr: the planner's fields may be absent)
 RECORD_FIELDS = ("graph", "mode", "compiler", "predicted_peak_bytes", "budget_bytes", "plan_feasible", "solver",
                  "recomputed_values", "offloaded_values", "plan_added_seconds", "partition_peak_bytes", "fallback",
-                 "forward_schedule_excess_bytes", "backward_schedule_excess_bytes", "replans", "fusions_refused")
+                 "forward_schedule_excess_bytes", "backward_schedule_excess_bytes", "replans", "fusions_refused",
+                 "hardware_profile", "planned_for", "plan_hash")
 
 
 class LossModule(nn.Module):

@@ -169,6 +169,8 @@ class GraphJob:
     replanning: bool = False
     provisional: bool = False  # a re-plan the solver found over, compiled to be read (`hold_to_budget`)
     graph_fingerprint: str = ""  # the Dynamo graph's identity across ranks (`rank_agreement`)
+    resolved_profile: ResolvedProfile | None = None  # `hardware_profile`
+    budget_bytes: int | None = None  # `planning_budget`
 
     @classmethod
     def start(cls, gm: fx.GraphModule, example_inputs: Sequence[Any], options: DpcsOptions) -> GraphJob:
@@ -205,13 +207,18 @@ class GraphJob:
 
     def hardware_profile(self, device: torch.device) -> ResolvedProfile:
         """The profile this graph is planned with: the option's (or DPCS_HARDWARE_PROFILE's), resolved by rank 0
-        of a distributed job and used by every rank."""
-        spec = self.options.hardware_profile
-        if not self.agreeing_ranks:
-            return resolve_profile(spec, device)
-        resolved = rank_agreement.from_rank_zero(lambda: resolve_profile(spec, device), "hardware profile")
-        rank, _ = rank_agreement.world()
-        return resolved if rank == 0 else ResolvedProfile(resolved.profile, f"rank 0's, {resolved.source}")
+        of a distributed job and used by every rank. Resolved once per graph: a re-plan takes no collective."""
+        if self.resolved_profile is None:
+            spec = self.options.hardware_profile
+            if not self.agreeing_ranks:
+                self.resolved_profile = resolve_profile(spec, device)
+            else:
+                resolved = rank_agreement.from_rank_zero(lambda: resolve_profile(spec, device), "hardware profile")
+                rank, _ = rank_agreement.world()
+                self.resolved_profile = (
+                    resolved if rank == 0 else ResolvedProfile(resolved.profile, f"rank 0's, {resolved.source}")
+                )
+        return self.resolved_profile
 
     def check_ranks_agree(self) -> None:
         """In a distributed job, compare this training graph's plan across the ranks (one small collective)."""
@@ -443,14 +450,16 @@ def planning_budget(job: GraphJob, device: torch.device, resident_bytes: int, pr
     that device assumed to hold nothing but this step. In a distributed job such a budget is the smallest over
     the ranks, so the plan fits on every one.
     """
+    if job.budget_bytes is not None:  # resolved once per graph: a re-plan reads free memory or ranks no more
+        return job.budget_bytes
     spec = job.options.memory_budget
     memory = None
     if profile.device_type != device.type and profile.memory_bytes is not None:
         memory = DeviceMemory(total_bytes=profile.memory_bytes, free_bytes=max(0, profile.memory_bytes - resident_bytes))
-    budget = resolve_budget(spec, device, resident_bytes, memory=memory)
+    job.budget_bytes = resolve_budget(spec, device, resident_bytes, memory=memory)
     if not isinstance(spec, int) and job.agreeing_ranks:
-        budget = rank_agreement.smallest(budget)
-    return budget
+        job.budget_bytes = rank_agreement.smallest(job.budget_bytes)
+    return job.budget_bytes
 
 
 def plan_memory_budget(job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: int) -> PlanningGraph:

@@ -8,7 +8,8 @@ the hardware profile it was costed with. `compile_key` hashes the inputs the pla
 Inductor's cache keys, so a graph compiled for one budget option is never handed back for another. It
 does not cover what a budget resolves to ("auto", a fraction) on a device, nor the hardware profile: the
 FX-graph and AOTAutograd caches therefore stay off for dpcs graphs (pipeline.aot_compile). `plan_hash`
-covers the resolved budget, the hardware key and the decisions.
+covers the resolved budget, the hardware profile (its device key and short hash) and the decisions: in a
+distributed job the ranks compare it field by field (`rank_agreement.py`).
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class Plan:
     partitioner: str = "min_cut"
     values: tuple[ValueDecision, ...] = ()
     budget_bytes: int | None = None
-    hardware: str | None = None  # the hardware profile's device key the plan was costed with
+    hardware: str | None = None  # "<device key>#<short hash>" of the hardware profile the plan was costed with
     predicted_peak_bytes: int | None = None
     feasible: bool | None = None
     peak_node: str | None = None  # where the plan's predicted peak is

@@ -21,12 +21,13 @@ compile different graphs (pipeline stages) pass the option rank_agreement=False.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
+
+from torch.utils._python_dispatch import _disable_current_modes
 
 T = TypeVar("T")
 
@@ -44,15 +45,6 @@ def world() -> tuple[int, int] | None:
     return dist.get_rank(), dist.get_world_size()
 
 
-@contextlib.contextmanager
-def _real_tensors() -> Iterator[None]:
-    """Object collectives pickle into real tensors: step out of Dynamo's fake mode while they run."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with _disable_current_modes():
-        yield
-
-
 def from_rank_zero(compute: Callable[[], T], what: str) -> T:
     """Rank 0 runs `compute`; every rank returns its result, or raises if it failed on rank 0."""
     import torch.distributed as dist
@@ -66,7 +58,7 @@ def from_rank_zero(compute: Callable[[], T], what: str) -> T:
         except Exception as error:  # noqa: BLE001 - broadcast to the ranks waiting for it, then raised here
             failure = error
             payload = [("error", f"{type(error).__name__}: {error}")]
-    with _real_tensors():
+    with _disable_current_modes():  # object collectives pickle into real tensors, also under Dynamo's fake mode
         dist.broadcast_object_list(payload, src=0)
     status, value = payload[0]
     if status == "error":
@@ -86,7 +78,7 @@ def _gather(value: Any) -> list[Any]:
 
     _, size = world()
     gathered: list[Any] = [None] * size
-    with _real_tensors():
+    with _disable_current_modes():
         dist.all_gather_object(gathered, value)
     return gathered
 

@@ -1,16 +1,16 @@
 """What the device can do: matmul FLOP/s per dtype, memory and host-link bandwidth, per-op fixed cost.
 
 A plan is a pure function of (graph, options, hardware profile), so the profile is something a user can
-see, pin and share (`resolve_hardware_profile`, the `hardware_profile` option, `dpcs hardware`):
+see, pin and share (`profiles.resolve_profile`, the `hardware_profile` option, `dpcs hardware`):
 
 - "measure" (the default): `measure_hardware_profile` times a few small benchmarks (median of repetitions
   after warm-up; matrix sizes grow until one call is long enough to time or a per-dtype time box runs out,
   so the whole measurement stays within a few seconds even where a dtype is emulated slowly), always on
   real tensors, outside any fake or tracing mode (a backend measures while Dynamo's fake mode is active).
-  `hardware_profile` measures once per device and caches the result on disk as JSON, keyed by device,
+  `measured_profile` measures once per device and caches the result on disk as JSON, keyed by device,
   format version and torch version, plus an in-process memo. A cached file that does not parse or
   describes another device, format or torch is re-measured and overwritten, never trusted.
-- a built-in profile from datasheet figures (`cost/builtin_profiles.py`): plan on a laptop for the GPU
+- a built-in profile from datasheet figures (`cost/profiles.py`): plan on a laptop for the GPU
   the job will train on, or on the fixed reference CPU so a plan is the same on every machine;
 - a profile JSON file (`dpcs hardware --json` writes one), or a `HardwareProfile` given in code.
 
@@ -45,6 +45,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from dpcs_compiler.cost.budget import device_memory
 
@@ -317,7 +318,7 @@ def measure_cpu_share(seconds: float = 0.1) -> float:
     others" on an idle 2-core machine). An idle machine gives ~1; other processes competing for the cores
     deschedule the threads and lower it (2 busy processes per CPU: ~0.33).
     """
-    with _real_tensors(), torch.no_grad():
+    with _disable_current_modes(), torch.no_grad():  # real kernels, also under Dynamo's fake mode
         x = torch.randn(1 << 22)
         out = torch.empty_like(x)
         torch.sin(x, out=out)  # warm-up: the thread pool starts
@@ -328,16 +329,6 @@ def measure_cpu_share(seconds: float = 0.1) -> float:
             calls += 1
         elapsed = time.perf_counter() - wall
         return (time.process_time() - cpu) / (elapsed * usable_cpus())
-
-
-@contextlib.contextmanager
-def _real_tensors():
-    """Real tensors and real kernels, even while a fake or tracing mode is active (a backend is called, and
-    partitions, under Dynamo's fake mode: a matmul timed there returns at once)."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with _disable_current_modes():
-        yield
 
 
 def _float8_flops(device: torch.device, sync: Callable[[], None], plan: _Plan) -> float | None:
@@ -364,7 +355,9 @@ def measure_hardware_profile(device: torch.device | str) -> HardwareProfile:
         if cuda:
             torch.cuda.synchronize(dev)
 
-    with _real_tensors(), torch.no_grad(), (torch.cuda.device(dev) if cuda else contextlib.nullcontext()):
+    # Real tensors and kernels even under a fake or tracing mode: a backend plans under Dynamo's fake mode,
+    # where a matmul returns at once.
+    with _disable_current_modes(), torch.no_grad(), (torch.cuda.device(dev) if cuda else contextlib.nullcontext()):
         shares = [] if cuda else [measure_cpu_share()]
         flops = {}
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -426,7 +419,7 @@ def cache_path(key: str, cache_dir: Path) -> Path:
 
 
 def forget_memoized_profiles() -> None:
-    """Drop the in-process memo, so the next `hardware_profile` call reads the disk cache again."""
+    """Drop the in-process memo, so the next `measured_profile` call reads the disk cache again."""
     _MEMO.clear()
 
 
@@ -514,10 +507,3 @@ def measured_profile(
             resolved = ResolvedProfile(profile, f"measured {profile.measured_at}, cached at {path}")
     _MEMO[memo_key] = resolved
     return resolved
-
-
-def hardware_profile(
-    device: torch.device | str, *, cache_dir: str | os.PathLike[str] | None = None, refresh: bool = False
-) -> HardwareProfile:
-    """The device's measured profile (`measured_profile` without where it came from)."""
-    return measured_profile(device, cache_dir=cache_dir, refresh=refresh).profile

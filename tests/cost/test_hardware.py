@@ -25,7 +25,7 @@ from dpcs_compiler.cost.hardware import (
     HardwareProfile,
     cache_path,
     device_key,
-    hardware_profile,
+    measured_profile,
     measure_cpu_share,
     measure_hardware_profile,
     profile_from_json,
@@ -140,25 +140,25 @@ def test_usable_cpus_never_exceed_torchs_threads():
 
 
 def test_the_profile_is_measured_once_then_memoized(tmp_path, counted_measure):
-    first = hardware_profile("cpu", cache_dir=tmp_path)
+    first = measured_profile("cpu", cache_dir=tmp_path)
     cache_path(device_key("cpu"), tmp_path).unlink()  # the memo alone must answer
-    assert hardware_profile(torch.device("cpu"), cache_dir=tmp_path) is first
+    assert measured_profile(torch.device("cpu"), cache_dir=tmp_path) is first
     assert len(counted_measure) == 1
 
 
 def test_a_new_process_reloads_the_cached_file_without_measuring(tmp_path, counted_measure):
-    first = hardware_profile("cpu", cache_dir=tmp_path)
+    first = measured_profile("cpu", cache_dir=tmp_path)
     hardware.forget_memoized_profiles()  # as a fresh process would start
-    assert hardware_profile("cpu", cache_dir=tmp_path) == first
+    assert measured_profile("cpu", cache_dir=tmp_path) == first
     assert len(counted_measure) == 1
 
 
 def test_refresh_measures_again_and_overwrites_the_cache(tmp_path, counted_measure):
-    hardware_profile("cpu", cache_dir=tmp_path)
-    refreshed = hardware_profile("cpu", cache_dir=tmp_path, refresh=True)
+    measured_profile("cpu", cache_dir=tmp_path)
+    refreshed = measured_profile("cpu", cache_dir=tmp_path, refresh=True)
     assert len(counted_measure) == 2
     hardware.forget_memoized_profiles()
-    assert hardware_profile("cpu", cache_dir=tmp_path) == refreshed
+    assert measured_profile("cpu", cache_dir=tmp_path) == refreshed
     assert len(counted_measure) == 2
 
 
@@ -181,7 +181,7 @@ def test_refresh_measures_again_and_overwrites_the_cache(tmp_path, counted_measu
 def test_a_corrupt_or_mismatched_cache_file_is_measured_again_and_overwritten(tmp_path, counted_measure, bad_content):
     path = cache_path(device_key("cpu"), tmp_path)
     path.write_text(bad_content)
-    profile = hardware_profile("cpu", cache_dir=tmp_path)
+    profile = measured_profile("cpu", cache_dir=tmp_path).profile
     assert len(counted_measure) == 1
     assert profile_from_json(path.read_text()) == profile
 
@@ -195,18 +195,18 @@ def test_a_profile_measured_on_a_busy_cpu_is_used_but_not_cached(tmp_path, monke
 
     monkeypatch.setattr(hardware, "measure_hardware_profile", measure)
     hardware.forget_memoized_profiles()
-    busy = hardware_profile("cpu", cache_dir=tmp_path)
-    assert busy.busy and hardware_profile("cpu", cache_dir=tmp_path) is busy
+    busy = measured_profile("cpu", cache_dir=tmp_path)
+    assert busy.profile.busy and measured_profile("cpu", cache_dir=tmp_path) is busy
     assert list(tmp_path.iterdir()) == []
     hardware.forget_memoized_profiles()  # a later process measures again
-    hardware_profile("cpu", cache_dir=tmp_path)
+    measured_profile("cpu", cache_dir=tmp_path)
     assert len(calls) == 2
     hardware.forget_memoized_profiles()
 
 
 def test_the_default_cache_dir_follows_dpcs_cache_dir(tmp_path, monkeypatch, counted_measure):
     monkeypatch.setenv("DPCS_CACHE_DIR", str(tmp_path))
-    hardware_profile("cpu")
+    measured_profile("cpu")
     assert [p.parent for p in tmp_path.rglob("*.json")] == [tmp_path / "hardware"]
 
 
@@ -249,10 +249,10 @@ def test_the_profile_survives_pickle_and_deepcopy():
 @pytest.mark.parametrize("device", ["not-a-device", "meta", 3.5])
 def test_a_bad_device_is_a_value_error_naming_it(tmp_path, device):
     with pytest.raises(ValueError, match=repr(device).replace(".", r"\.")):
-        hardware_profile(device, cache_dir=tmp_path)
+        measured_profile(device, cache_dir=tmp_path)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a process without CUDA")
 def test_cuda_without_cuda_is_a_value_error(tmp_path):
     with pytest.raises(ValueError, match="CUDA is not available"):
-        hardware_profile("cuda:0", cache_dir=tmp_path)
+        measured_profile("cuda:0", cache_dir=tmp_path)
