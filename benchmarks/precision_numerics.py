@@ -15,7 +15,7 @@
    schedule and holds the plan to it).
 
 The fp8 matmuls run "emulated" (the same math in fp32): on this CPU `_scaled_mm`'s tensorwise path is
-~20x slower, and tests/runtime/test_fp8.py shows the two agree. Speed of low precision is not measured
+~20x slower, and tests/ops/test_fp8.py shows the two agree. Speed of low precision is not measured
 on CPU (see benchmarks/precision_speed.py for the GPU). Writes precision_<device>.json and .png.
 """
 
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from dpcs_compiler import clear_compile_records, compile_records
 from dpcs_compiler.measure import measure_training_step
 from dpcs_compiler.models import GPTConfig, LlamaLM, LlamaSize, MiniGPT, workload
-from dpcs_compiler.runtime.fp8 import fp8_linear, sqnr_db
+from dpcs_compiler.ops.fp8 import fp8_linear, sqnr_db
 
 GPT = GPTConfig(vocab=128, block_size=32, d_model=64, heads=4, layers=2, dropout=0.0)
 FP8 = {"min_size": 16, "matmul": "emulated"}

@@ -53,7 +53,7 @@ if str(REPO) not in sys.path:  # run as a script from a checkout without the pac
 from dpcs_compiler.models import LlamaLM, LlamaSize  # noqa: E402
 from dpcs_compiler.report import compile_records  # noqa: E402
 from dpcs_compiler.options import Fp8Options  # noqa: E402
-from dpcs_compiler.passes.analysis.op_sites import LinearShape, OpSite  # noqa: E402
+from dpcs_compiler.types import LinearShape, OpSite  # noqa: E402
 from dpcs_compiler.solve.precision import FP8_ALIGNMENT, fp8_eligibility  # noqa: E402
 
 

@@ -168,7 +168,7 @@ class DpcsOptions:
     keep_fp32: module-name patterns (fnmatch, e.g. ["lm_head", "*.norm"]) whose ops all stay in fp32.
     fp8: None (or False), or the fp8 linear regions (`Fp8Options`, given as a dict; True for the defaults).
     detect_overflow: whether the compiled backward raises a device-side flag when a gradient is inf or NaN
-        (`runtime/overflow.py`); None: on for fp16 and fp8, off otherwise.
+        (`ops/overflow.py`); None: on for fp16 and fp8, off otherwise.
     hardware_profile: what the memory plan is costed with (`cost/profiles.py`): "measure" (the device's
         profile, measured once and cached), a built-in name ("h100", "a100", "l4", "rtx4090",
         "reference-cpu"), a path to a profile JSON file, or a HardwareProfile; defaults to the

@@ -40,7 +40,7 @@ from dpcs_compiler.cost.memory_model import OFFLOAD, RECOMPUTE, SAVE, MemoryProb
 from dpcs_compiler.cost.op_time import node_seconds, transfer_seconds
 from dpcs_compiler.debug.render import format_bytes
 from dpcs_compiler.options import DpcsOptions
-from dpcs_compiler.passes.analysis import FORWARD, NodeCost, Schedule, liveness, memory_timeline, op_cost
+from dpcs_compiler.passes.analysis import FORWARD, Schedule, liveness, memory_timeline, op_cost
 from dpcs_compiler.passes.analysis.planning import (
     RUNTIME_ALLOWANCE_BYTES,
     PlanningGraph,
@@ -51,7 +51,8 @@ from dpcs_compiler.passes.analysis.fusion import inductor_fusion
 from dpcs_compiler.passes.analysis.inductor_schedule import ScheduledPeak, probe_available, probe_scheduled_peak
 from dpcs_compiler.passes.analysis.memory_timeline import MemoryTimeline
 from dpcs_compiler.passes.infra import AnalysisCache, PassContext, PassTimer, Rewrite, run_rewrites
-from dpcs_compiler.passes.analysis.op_sites import OpSite, example_value, op_sites
+from dpcs_compiler.passes.analysis.op_sites import example_value, op_sites
+from dpcs_compiler.types import NodeCost, OpSite
 from dpcs_compiler.passes.rewrite.fp8 import Fp8Regions
 from dpcs_compiler.passes.rewrite.fusion_guard import planned_fusion_choices
 from dpcs_compiler.passes.rewrite.precision import DTYPES, PrecisionCasts
@@ -61,7 +62,7 @@ from dpcs_compiler.passes.rewrite.partition import partition_by_plan, recast_par
 from dpcs_compiler.plan import Plan, ValueDecision
 from dpcs_compiler import rank_agreement
 from dpcs_compiler.report import CompileRecord, add_record
-from dpcs_compiler.runtime.fp8 import scaled_mm_supported
+from dpcs_compiler.ops.fp8 import scaled_mm_supported
 from dpcs_compiler.solve import solve
 from dpcs_compiler.solve.precision import matching_pattern, plan_precision
 from dpcs_compiler.solve.solution import measured_solution

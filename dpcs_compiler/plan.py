@@ -78,7 +78,7 @@ class Plan:
     feasible: bool | None = None
     peak_node: str | None = None  # where the plan's predicted peak is
     # Precision (pre-autograd): the graph's low-precision dtype, per-op decisions, fp8 linears, and
-    # whether the backward raises the overflow flag on non-finite gradients (`runtime/overflow.py`).
+    # whether the backward raises the overflow flag on non-finite gradients (`ops/overflow.py`).
     precision: str = "fp32"
     precision_ops: tuple[PrecisionDecision, ...] = ()
     fp8_linears: tuple[Fp8Decision, ...] = ()

@@ -9,11 +9,9 @@ scales and the per-op overhead separately by non-negative least squares over per
 from __future__ import annotations
 
 import dataclasses
-import math
 import statistics
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -21,29 +19,10 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from dpcs_compiler.cost.hardware import HardwareProfile
-from dpcs_compiler.cost.op_time import FALLBACK_DTYPE, compute_seconds, dtype_name, memory_seconds
+from dpcs_compiler.cost.op_time import FALLBACK_DTYPE, Calibration, compute_seconds, dtype_name, memory_seconds
+from dpcs_compiler.types import NodeCost
 
-if TYPE_CHECKING:  # annotations only: keeps cost/ importable from the analyses without an import cycle
-    from dpcs_compiler.passes.analysis.op_cost import NodeCost
-
-
-@dataclasses.dataclass(frozen=True)
-class Calibration:
-    """Scales for the roofline's compute and memory terms, and the per-op fixed cost.
-
-    The default is the identity: scales 1 and overhead_s None, meaning the profile's launch overhead.
-    """
-
-    compute_scale: float = 1.0
-    memory_scale: float = 1.0
-    overhead_s: float | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("compute_scale", "memory_scale"):
-            if not 0 <= getattr(self, name) < math.inf:
-                raise ValueError(f"calibration: {name} must be finite and >= 0, got {getattr(self, name)}")
-        if self.overhead_s is not None and not 0 <= self.overhead_s < math.inf:
-            raise ValueError(f"calibration: overhead_s must be finite and >= 0, got {self.overhead_s}")
+__all__ = ["Calibration", "OpSample", "fit_calibration", "measure_op_samples"]
 
 
 @dataclasses.dataclass(frozen=True)

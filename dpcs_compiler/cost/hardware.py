@@ -58,6 +58,9 @@ BUSY_CPU_SHARE = 0.5  # a quiet CPU gives ~1 while a kernel runs on every thread
 
 _CACHE_ENV = "DPCS_CACHE_DIR"
 
+# torch._scaled_mm on CUDA needs the contraction and output widths of an fp8 matmul to be multiples of 16.
+FP8_DIM_MULTIPLE = 16
+
 
 @dataclasses.dataclass(frozen=True)
 class HardwareProfile:

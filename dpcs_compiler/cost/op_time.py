@@ -2,22 +2,41 @@
 
 compute time = FLOPs / the profile's matmul FLOP/s for the op's dtype; memory time = bytes read and written /
 the device's copy bandwidth. An optional `Calibration` (see calibration.py) scales the two terms separately
-and replaces the fixed cost. Pure functions of numbers, a dtype and a profile: no graph access here.
+and replaces the fixed cost. Pure functions of numbers, a dtype and a profile: no graph access here. This
+module owns `Calibration`; calibration.py fits one from measured ops (it imports this module, never the
+reverse).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
+import math
 
 import torch
 
 from dpcs_compiler.cost.hardware import HardwareProfile
-
-if TYPE_CHECKING:  # annotations only: keeps cost/ importable from the analyses without an import cycle
-    from dpcs_compiler.cost.calibration import Calibration
-    from dpcs_compiler.passes.analysis.op_cost import NodeCost
+from dpcs_compiler.types import NodeCost
 
 FALLBACK_DTYPE = "float32"
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """Scales for the roofline's compute and memory terms, and the per-op fixed cost.
+
+    The default is the identity: scales 1 and overhead_s None, meaning the profile's launch overhead.
+    """
+
+    compute_scale: float = 1.0
+    memory_scale: float = 1.0
+    overhead_s: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("compute_scale", "memory_scale"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"calibration: {name} must be finite and >= 0, got {getattr(self, name)}")
+        if self.overhead_s is not None and not 0 <= self.overhead_s < math.inf:
+            raise ValueError(f"calibration: overhead_s must be finite and >= 0, got {self.overhead_s}")
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:

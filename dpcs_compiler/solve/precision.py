@@ -28,10 +28,10 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Sequence
 
+from dpcs_compiler.cost.hardware import FP8_DIM_MULTIPLE
 from dpcs_compiler.options import Fp8Options
-from dpcs_compiler.passes.analysis.op_sites import OpSite
 from dpcs_compiler.plan import Fp8Decision, PrecisionDecision
-from dpcs_compiler.runtime.fp8 import DIM_MULTIPLE
+from dpcs_compiler.types import OpSite
 
 # torch.autocast's CUDA lower-precision list, as torch-level names.
 LOWER_PRECISION_OPS = frozenset({
@@ -63,7 +63,7 @@ DPCS_FP32_OPS = frozenset({
     "batch_norm", "instance_norm", "rms_norm", "mean", "var", "std", "var_mean", "std_mean", "binary_cross_entropy",
 })
 FP32_OPS = AUTOCAST_FP32_OPS | DPCS_FP32_OPS
-FP8_ALIGNMENT = DIM_MULTIPLE  # torch._scaled_mm needs every matmul dimension to be a multiple of 16
+FP8_ALIGNMENT = FP8_DIM_MULTIPLE  # torch._scaled_mm needs every matmul dimension to be a multiple of 16
 WIDEST = "widest"  # a decision's dtype for promote ops: the widest of the op's floating inputs
 
 

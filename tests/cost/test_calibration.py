@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from dpcs_compiler.cost.calibration import Calibration, OpSample, fit_calibration, measure_op_samples
+from dpcs_compiler.cost.calibration import OpSample, fit_calibration, measure_op_samples
 from dpcs_compiler.cost.hardware import FORMAT_VERSION, HardwareProfile
 from dpcs_compiler.cost.op_time import roofline_seconds
 from dpcs_compiler.passes.analysis import op_cost

@@ -23,7 +23,6 @@ from dpcs_compiler.cost import hardware
 from dpcs_compiler.cost.hardware import (
     BUSY_CPU_SHARE,
     FORMAT_VERSION,
-    HardwareProfile,
     cache_path,
     device_key,
     measured_profile,

@@ -8,7 +8,7 @@ import torch
 from dpcs_compiler.cost.calibration import Calibration
 from dpcs_compiler.cost.hardware import FORMAT_VERSION, HardwareProfile
 from dpcs_compiler.cost.op_time import node_seconds, roofline_seconds, transfer_seconds
-from dpcs_compiler.passes.analysis.op_cost import NodeCost
+from dpcs_compiler.types import NodeCost
 
 OVERHEAD = 1e-6
 

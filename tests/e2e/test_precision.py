@@ -7,7 +7,7 @@ graph), with the figures measured on torch 2.13 CPU:
 - fp16: every gradient's SQNR >= 40 dB (measured >= 58 dB); loss within 0.1%.
 - fp8 (all 9 linears): every gradient's SQNR >= 14 dB, the median >= 20 dB (measured >= 18 dB, a norm's
   bias, which collects the error of every fp8 matmul after it); loss within 1%. A single fp8 linear meets
-  >= 28 dB on its output and >= 23 dB on its gradients (tests/runtime/test_fp8.py).
+  >= 28 dB on its output and >= 23 dB on its gradients (tests/ops/test_fp8.py).
 - 50 steps of AdamW: the bf16 loss stays within 1% of fp32's at every step (measured 0.05%), fp8 within
   5% (measured 1.75-2.73%, benchmarks/results/precision_cpu.json).
 """
@@ -29,8 +29,8 @@ from dpcs_testing import COMPILERS, WritesBetweenReads, dpcs_compile, measured_s
 from dpcs_compiler import compile_records
 from dpcs_compiler.cost.budget import WORKSPACE_FRACTION
 from dpcs_compiler.models import GPTConfig, LlamaLM, LlamaSize, MiniGPT, workload
-from dpcs_compiler.runtime import overflow
-from dpcs_compiler.runtime.fp8 import sqnr_db
+from dpcs_compiler.ops import overflow
+from dpcs_compiler.ops.fp8 import sqnr_db
 
 GPT = GPTConfig(vocab=128, block_size=32, d_model=64, heads=4, layers=2, dropout=0.0)
 FP8 = {"min_size": 16}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dpcs_compiler.options import Fp8Options
-from dpcs_compiler.passes.analysis.op_sites import LinearShape, OpSite
+from dpcs_compiler.types import LinearShape, OpSite
 from dpcs_compiler.solve.precision import plan_precision
 
 

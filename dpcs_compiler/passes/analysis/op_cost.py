@@ -18,13 +18,7 @@ from torch.utils.flop_counter import flop_registry
 
 from dpcs_compiler.passes.analysis.base import require
 from dpcs_compiler.passes.analysis.tensor_bytes import TensorBytes, is_view, tensor_bytes, tensor_bytes_of, to_sympy
-
-
-@dataclasses.dataclass(frozen=True)
-class NodeCost:
-    flops: int
-    bytes_read: int
-    bytes_written: int
+from dpcs_compiler.types import NodeCost
 
 
 @dataclasses.dataclass(frozen=True)

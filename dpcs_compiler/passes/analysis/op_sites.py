@@ -10,7 +10,6 @@ and for a linear its in / out features and rows at the traced sizes. Read-only; 
 
 from __future__ import annotations
 
-import dataclasses
 import numbers
 import operator
 import re
@@ -20,6 +19,7 @@ import torch
 import torch.fx as fx
 
 from dpcs_compiler.passes.analysis.tensor_bytes import find_shape_env, hint_int, to_sympy
+from dpcs_compiler.types import LinearShape, OpSite
 
 # Python operators whose method name autocast lists under another name.
 _OPERATOR_NAMES = {
@@ -32,29 +32,6 @@ _OPERATOR_NAMES = {
 }
 _METHOD_ALIASES = {"__matmul__": "matmul", "__pow__": "pow", "__rpow__": "rpow", "__rtruediv__": "rtruediv",
                    "__rdiv__": "rtruediv", "__truediv__": "truediv"}
-
-
-@dataclasses.dataclass(frozen=True)
-class LinearShape:
-    """A linear's sizes at the traced shapes."""
-
-    in_features: int
-    out_features: int
-    tokens: int  # rows of the input flattened to 2-D
-
-
-@dataclasses.dataclass(frozen=True)
-class OpSite:
-    """One call of the Dynamo graph: its node's name, its op's name, the modules it runs in."""
-
-    node: str
-    op: str
-    modules: tuple[str, ...]  # enclosing modules, outermost first: "" (the root model), then its children
-    linear: LinearShape | None = None
-
-    @property
-    def module(self) -> str:
-        return self.modules[-1] if self.modules else ""
 
 
 def module_name(stack_path: str, root: str = "") -> str:

@@ -1,4 +1,4 @@
-"""Replace the linears the plan marks as fp8 regions with `runtime.fp8.fp8_linear`, in the Dynamo graph.
+"""Replace the linears the plan marks as fp8 regions with `ops.fp8.fp8_linear`, in the Dynamo graph.
 
 Runs before AOTAutograd and before the precision casts: AOTAutograd traces `fp8_linear`'s autograd
 function into plain ops (amax, scale, cast to float8, `_scaled_mm` or its emulation), forward and
@@ -17,7 +17,7 @@ import torch.fx as fx
 from dpcs_compiler.passes.analysis.op_sites import linear_operands
 from dpcs_compiler.passes.infra import PassContext, Rewrite
 from dpcs_compiler.passes.rewrite.precision import DTYPES, fake_mode_of, refresh_example_value, refuse_unsupported
-from dpcs_compiler.runtime.fp8 import fp8_linear
+from dpcs_compiler.ops.fp8 import fp8_linear
 
 
 class Fp8Regions(Rewrite):

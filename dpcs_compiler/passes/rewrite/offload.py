@@ -12,7 +12,7 @@ point the cost model chose and waits for it right before the first use:
 `wait_offload` goes where v's device memory may be freed: after its last forward use by default, or later
 (`release_after`) so that the copy has time to finish without stalling the compute stream. A value whose
 storage belongs to a graph input gets none: the graph never frees or reuses it, and `record_stream` covers
-the caller freeing it (see runtime/offload_ops.py for the stream reasoning).
+the caller freeing it (see ops/offload_ops.py for the stream reasoning).
 
 AOTAutograd pairs forward outputs and backward placeholders by name; the backward placeholder keeps its name
 and now receives the host tensor. Saved values that are the same tensor under another name (an `alias` or
@@ -32,7 +32,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from dpcs_compiler.passes.analysis.tensor_bytes import tensor_bytes
-from dpcs_compiler.runtime import offload_ops  # noqa: F401  (registers the dpcs ops)
+from dpcs_compiler.ops import offload_ops  # noqa: F401  (registers the dpcs ops)
 
 PASS_NAME = "offload"
 

@@ -4,7 +4,7 @@ Runs on the AOTAutograd backward graph after partitioning, so recomputation and 
 already placed their nodes and do not matter: the check reads the gradients exactly as the backward returns
 them. Under GradScaler these are still loss-scaled, and a non-finite value there is exactly what makes
 GradScaler skip the step. One `dpcs.note_nonfinite([g1, g2, ...])` goes right before the output, over every
-floating-point output (decided from `meta["val"]`); see `runtime/overflow.py` for the flag and its readers.
+floating-point output (decided from `meta["val"]`); see `ops/overflow.py` for the flag and its readers.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 
 from dpcs_compiler.passes.infra import PassContext, Rewrite
-from dpcs_compiler.runtime.overflow import NOTE_NONFINITE
+from dpcs_compiler.ops.overflow import NOTE_NONFINITE
 
 
 def floating_outputs(gm: fx.GraphModule) -> list[fx.Node]:

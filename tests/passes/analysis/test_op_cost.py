@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from dpcs_compiler.passes.analysis import NodeCost, op_cost
+from dpcs_compiler.passes.analysis import op_cost
+from dpcs_compiler.types import NodeCost
 
 
 def cost_by_name(gm):

@@ -19,7 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.testing import FileCheck
 
 from dpcs_compiler.passes.rewrite.offload import PASS_NAME, insert_offloads, offload_nodes, saved_value_names
-from dpcs_compiler.runtime.offload_ops import pending_events, release_offload_state
+from dpcs_compiler.ops.offload_ops import pending_events, release_offload_state
 
 aten = torch.ops.aten
 dpcs = torch.ops.dpcs

@@ -19,7 +19,7 @@ from torch.testing import FileCheck
 from dpcs_compiler.passes.infra import AnalysisCache, PassContext, run_rewrites
 from dpcs_compiler.passes.rewrite.overflow_check import OverflowCheck, floating_outputs
 from dpcs_compiler.plan import Plan
-from dpcs_compiler.runtime.overflow import NOTE_NONFINITE, overflowed, reset_overflow, take_overflow
+from dpcs_compiler.ops.overflow import NOTE_NONFINITE, overflowed, reset_overflow, take_overflow
 
 INF, NAN = float("inf"), float("nan")
 Compiler = Callable[[fx.GraphModule, Sequence[torch.Tensor]], Callable]

@@ -80,7 +80,7 @@ def test_fp8_regions_replace_eligible_linears():
     gm, plan = rewritten(model, torch.randn(16, 32), fp8=Fp8Options(min_size=16), matmul="emulated")
     assert [(d.node, d.fp8) for d in plan.fp8_linears] == [("input_1", True), ("input_3", False)]
     (FileCheck()
-        .check("dpcs_compiler_runtime_fp8_fp8_linear(l_args_0_,").check("recipe = 'tensorwise'").check("matmul = 'emulated'")
+        .check("dpcs_compiler_ops_fp8_fp8_linear(l_args_0_,").check("recipe = 'tensorwise'").check("matmul = 'emulated'")
         .check("out_dtype = torch.bfloat16").check("gelu")
         .check(".to(torch.bfloat16)").check("torch._C._nn.linear(")  # the 10-wide head: bf16, not fp8
         .run(gm.code))

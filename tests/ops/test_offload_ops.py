@@ -7,8 +7,8 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from dpcs_compiler.runtime import offload_ops
-from dpcs_compiler.runtime.offload_ops import pending_events, release_offload_state
+from dpcs_compiler.ops import offload_ops
+from dpcs_compiler.ops.offload_ops import pending_events, release_offload_state
 
 ops = torch.ops.dpcs
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

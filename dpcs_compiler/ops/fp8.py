@@ -43,6 +43,8 @@ import math
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from dpcs_compiler.cost.hardware import FP8_DIM_MULTIPLE
+
 RECIPES = ("tensorwise", "rowwise")
 MATMULS = ("scaled_mm", "emulated")
 E4M3 = torch.float8_e4m3fn
@@ -55,8 +57,6 @@ GRAD_DTYPES = {"e5m2": E5M2, "e4m3": E4M3}
 # Floor for amax, so that an all-zero tensor gets a finite scale (torchao's EPS): finfo(e5m2).max / 1e-12 is
 # far below the fp32 maximum, while finfo(float32).tiny would overflow the scale to inf and give 0 * inf = NaN.
 AMAX_FLOOR = 1e-12
-# torch._scaled_mm on CUDA needs the contraction and output widths to be multiples of 16.
-DIM_MULTIPLE = 16
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -206,10 +206,10 @@ def fp8_linear(
             f"fp8_linear needs x [..., K] and weight [N, K]; got x {tuple(x.shape)}, weight {tuple(weight.shape)}"
         )
     out_features, in_features = weight.shape
-    if in_features % DIM_MULTIPLE or out_features % DIM_MULTIPLE:
+    if in_features % FP8_DIM_MULTIPLE or out_features % FP8_DIM_MULTIPLE:
         raise ValueError(
             f"fp8_linear needs in_features (K={in_features}) and out_features (N={out_features}) to be "
-            f"multiples of {DIM_MULTIPLE}, as torch._scaled_mm does on CUDA"
+            f"multiples of {FP8_DIM_MULTIPLE}, as torch._scaled_mm does on CUDA"
         )
     if bias is not None and bias.shape != (out_features,):
         raise ValueError(f"fp8_linear needs bias [N={out_features}]; got {tuple(bias.shape)}")

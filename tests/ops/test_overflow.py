@@ -13,8 +13,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.profiler import ProfilerActivity, profile
 from torch.testing import FileCheck
 
-from dpcs_compiler.runtime import overflow
-from dpcs_compiler.runtime.overflow import (
+from dpcs_compiler.ops import overflow
+from dpcs_compiler.ops.overflow import (
     NOTE_NONFINITE,
     overflow_flag,
     overflowed,

@@ -13,8 +13,8 @@ from torch._functorch.partitioners import default_partition
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing import FileCheck
 
-from dpcs_compiler.runtime import fp8
-from dpcs_compiler.runtime.fp8 import (
+from dpcs_compiler.ops import fp8
+from dpcs_compiler.ops.fp8 import (
     E4M3,
     E5M2,
     RECIPES,

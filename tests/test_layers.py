@@ -1,0 +1,108 @@
+"""The package's layers, read from its source: what a lower layer never imports, and no import cycles.
+
+cost/ and solve/ are pure (numbers and plain records in, plans out): they never import the graph passes,
+the in-graph ops, the pipeline or its stages, or the debug tools; what they need of a graph arrives as
+`dpcs_compiler.types` records. ops/ (in-graph ops) knows nothing of the passes that insert them. Every
+import counts, at module level, inside functions and under TYPE_CHECKING alike.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+
+PACKAGE = Path(__file__).resolve().parent.parent / "dpcs_compiler"
+
+UPPER = ("passes", "ops", "pipeline", "stages", "debug", "backend", "cli")
+RULES: dict[str, tuple[str, ...]] = {
+    "cost": (*UPPER, "solve"),
+    "solve": UPPER,
+    "ops": ("passes", "pipeline", "stages", "debug", "backend", "cli", "solve"),
+    "types": ("*",),  # plain records: nothing of the package
+}
+
+
+def imports(root: Path) -> list[tuple[str, int, str, bool]]:
+    """(importing module, line, imported module, at module level) for every package import under `root`."""
+    modules = {_module_name(p, root) for p in root.rglob("*.py")}
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        top = {id(n) for n in _module_level(tree.body)}
+        for node in ast.walk(tree):
+            targets = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == root.name:
+                targets = [t if (t := f"{node.module}.{a.name}") in modules else node.module for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names if a.name.split(".")[0] == root.name]
+            found += [(_module_name(path, root), node.lineno, t, id(node) in top) for t in targets]
+    return found
+
+
+def _module_name(path: Path, root: Path) -> str:
+    return ".".join(path.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _module_level(body: list[ast.stmt]) -> list[ast.stmt]:
+    """Statements run on import: the body, and the branches of module-level ifs (TYPE_CHECKING included)."""
+    statements = []
+    for node in body:
+        statements.append(node)
+        if isinstance(node, (ast.If, ast.Try)):
+            statements += _module_level(node.body + getattr(node, "orelse", []) + getattr(node, "finalbody", []))
+    return statements
+
+
+def layer_violations(root: Path) -> list[str]:
+    """One line per import a layer rule forbids, naming the file, the line, the import and the rule."""
+    lines = []
+    for module, line, target, _ in imports(root):
+        layer = module.split(".")[1] if "." in module else ""
+        forbidden = RULES.get(layer, ())
+        imported = target.split(".")[1] if "." in target else ""
+        if ("*" in forbidden and imported != layer) or imported in forbidden:
+            path = module.replace(".", "/") + ".py"
+            rule = "imports nothing of the package" if "*" in forbidden else f"never imports {', '.join(f'{f}/' for f in forbidden)}"
+            lines.append(f"{path}:{line} imports {target}: {layer}/ {rule} (layer rules: tests/test_layers.py)")
+    return lines
+
+
+def import_cycles(root: Path) -> list[list[str]]:
+    """Module-level import cycles (imports inside functions are how a module reaches up lazily)."""
+    graph = nx.DiGraph((module, target) for module, _, target, top in imports(root) if top and module != target)
+    return sorted(sorted(c) for c in nx.strongly_connected_components(graph) if len(c) > 1)
+
+
+def test_no_lower_layer_imports_an_upper_one():
+    assert layer_violations(PACKAGE) == []
+
+
+def test_no_import_cycles():
+    assert import_cycles(PACKAGE) == []
+
+
+def test_the_rules_see_every_package_module():
+    modules = {m for m, *_ in imports(PACKAGE)}
+    assert {"dpcs_compiler.cost.op_time", "dpcs_compiler.solve.precision", "dpcs_compiler.ops.fp8"} <= modules
+
+
+def test_a_forbidden_import_fails_with_a_message_naming_it(tmp_path):
+    """As if someone had written these imports into the package by hand."""
+    root = tmp_path / "dpcs_compiler"
+    for folder in ("solve", "cost", "passes/analysis"):
+        (root / folder).mkdir(parents=True)
+        (root / folder / "__init__.py").write_text("")
+    (root / "types.py").write_text("import dataclasses\n")
+    (root / "passes" / "analysis" / "op_sites.py").write_text("from dpcs_compiler.types import OpSite\n")
+    (root / "solve" / "precision.py").write_text(
+        "from dpcs_compiler.types import OpSite\n\n\ndef plan():\n    from dpcs_compiler.passes.analysis.op_sites import x\n"
+    )
+    (root / "cost" / "op_time.py").write_text("from dpcs_compiler.cost import calibration\n")
+    (root / "cost" / "calibration.py").write_text("from dpcs_compiler.cost.op_time import x\n")
+    assert layer_violations(root) == [
+        "dpcs_compiler/solve/precision.py:5 imports dpcs_compiler.passes.analysis.op_sites: solve/ never imports "
+        "passes/, ops/, pipeline/, stages/, debug/, backend/, cli/ (layer rules: tests/test_layers.py)"
+    ]
+    assert import_cycles(root) == [["dpcs_compiler.cost.calibration", "dpcs_compiler.cost.op_time"]]
