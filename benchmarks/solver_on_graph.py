@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import dpcs_compiler.pipeline as pipeline
+import dpcs_compiler.stages.memory_plan as memory_plan
 from dpcs_compiler.cost.memory_model import plan_memory
 from dpcs_compiler.models import workload
 from dpcs_compiler.solve import solve_exact, solve_fast
@@ -28,28 +28,28 @@ from dpcs_compiler.solve import solve_exact, solve_fast
 def capture_problem(layers: int):
     """The MemoryProblem dpcs plans for a `layers`-layer MiniGPT, and the joint graph's node count."""
     captured = {}
-    original = pipeline.planning_graph
+    original = memory_plan.planning_graph
 
     def capture(schedule, analyses=None):
         captured["planning"] = original(schedule, analyses)
         captured["joint_nodes"] = len(schedule.graphs[0].graph.nodes)
         return captured["planning"]
 
-    real_solve = pipeline.solve
+    real_solve = memory_plan.solve
 
     def keep_problem(problem, budget):
         captured["problem"] = problem
         return real_solve(problem, budget, method="fast")
 
-    pipeline.planning_graph = capture
-    pipeline.solve = keep_problem
+    memory_plan.planning_graph = capture
+    memory_plan.solve = keep_problem
     try:
         w = workload("gpt", 2, layers=layers)
         compiled = torch.compile(w.model, backend="dpcs", options={"compiler": "eager", "memory_budget": 2**40})
         w.loss_fn(compiled(*w.inputs)).backward()
     finally:
-        pipeline.planning_graph = original
-        pipeline.solve = real_solve
+        memory_plan.planning_graph = original
+        memory_plan.solve = real_solve
     return captured["problem"], captured["joint_nodes"]
 
 

@@ -20,8 +20,9 @@ from torch._dynamo.exc import RestartAnalysis, ShortenTraceback, SkipFrame
 
 from dpcs_compiler.debug.dump import write_summary
 from dpcs_compiler.options import DpcsOptions
-from dpcs_compiler.pipeline import BudgetInfeasibleError, compile_graph
+from dpcs_compiler.pipeline import compile_graph
 from dpcs_compiler.rank_agreement import RankDisagreementError
+from dpcs_compiler.stages.job import BudgetInfeasibleError
 from dpcs_compiler.report import compile_records, records_since
 
 log = logging.getLogger("dpcs.backend")

@@ -189,17 +189,17 @@ def squared_linears_step(model, x, **options):
 @contextlib.contextmanager
 def recomputed_matmuls(monkeypatch):
     """Collects, for each graph partitioned by a plan, the dtypes of the forward matmuls its plan re-runs."""
-    import dpcs_compiler.pipeline as pipeline
+    import dpcs_compiler.stages.partition as partition_stage
     from dpcs_compiler.plan import RECOMPUTE
 
     seen: list[list[torch.dtype]] = []
-    real = pipeline.partition_by_plan
+    real = partition_stage.partition_by_plan
 
     def spy(joint, joint_inputs, planning, decisions, **kwargs):
         rerun = {n for c, d in zip(planning.candidates, decisions) if d == RECOMPUTE for n in c.recompute_nodes}
         seen.append(sorted((n.meta["val"].dtype for n in rerun if n.target == torch.ops.aten.mm.default), key=str))
         return real(joint, joint_inputs, planning, decisions, **kwargs)
 
-    monkeypatch.setattr(pipeline, "partition_by_plan", spy)
+    monkeypatch.setattr(partition_stage, "partition_by_plan", spy)
     yield seen
-    monkeypatch.setattr(pipeline, "partition_by_plan", real)
+    monkeypatch.setattr(partition_stage, "partition_by_plan", real)

@@ -13,6 +13,8 @@ import torch
 
 from dpcs_testing import dpcs_compile
 from dpcs_compiler import DpcsFallbackWarning, compile_records, pipeline
+from dpcs_compiler.stages import compile_parts
+from dpcs_compiler.stages.job import GraphJob
 from dpcs_compiler.backend import dpcs_backend
 from dpcs_compiler.passes.infra import Rewrite
 
@@ -118,7 +120,7 @@ def test_failing_stage_raises_when_strict(monkeypatch):
 
 @pytest.mark.parametrize("strict", [False, True])
 def test_failing_backward_rewrite_is_skipped_unless_strict(monkeypatch, strict):
-    monkeypatch.setattr(pipeline, "BACKWARD_REWRITES", (Explodes(),))
+    monkeypatch.setattr(compile_parts, "BACKWARD_REWRITES", (Explodes(),))
     model, x, expected = _mlp_and_reference()
     compiled = torch.compile(model, backend="dpcs", options={"compiler": "eager", "strict": strict})
     if strict:
@@ -135,7 +137,7 @@ def test_failing_backward_rewrite_is_skipped_unless_strict(monkeypatch, strict):
 @pytest.mark.parametrize("stage", ["PRE_AUTOGRAD_REWRITES", "FORWARD_REWRITES", "INFERENCE_REWRITES"])
 def test_stage_rewrites_run_stamp_their_nodes_and_keep_numerics(monkeypatch, tmp_path, stage):
     rewrite = ScaleOutputByOne()
-    monkeypatch.setattr(pipeline, stage, (rewrite,))
+    monkeypatch.setattr(pipeline if stage == "PRE_AUTOGRAD_REWRITES" else compile_parts, stage, (rewrite,))
     model, x, expected = _mlp_and_reference()
     compiled = dpcs_compile(model, dump_dir=tmp_path)
     if stage == "INFERENCE_REWRITES":
@@ -158,14 +160,14 @@ def test_stage_rewrites_run_stamp_their_nodes_and_keep_numerics(monkeypatch, tmp
 
 
 def test_failing_dump_write_in_the_lazy_backward_stage_does_not_kill_training(monkeypatch, tmp_path):
-    real_dump_graph = pipeline.GraphJob.dump_graph
+    real_dump_graph = GraphJob.dump_graph
 
     def dump_graph(self, name, gm):
         if name == "backward.final":
             raise OSError("disk full")
         return real_dump_graph(self, name, gm)
 
-    monkeypatch.setattr(pipeline.GraphJob, "dump_graph", dump_graph)
+    monkeypatch.setattr(GraphJob, "dump_graph", dump_graph)
     model, x, expected = _mlp_and_reference()
     compiled = torch.compile(model, backend="dpcs", options={"compiler": "eager", "dump_dir": tmp_path})
     with pytest.warns(UserWarning, match="backward stage failed.*disk full"):

@@ -138,24 +138,25 @@ def test_inductor_llama_plans_stay_within_budget_and_predict_the_peak():
 def inflate(monkeypatch, kind: str, extra: int) -> None:
     """Make the compiled graphs of `kind` hold `extra` bytes more than planned, as Inductor's schedule
     (Inductor) or the partitioned graphs (eager) would report them."""
-    import dpcs_compiler.pipeline as pipeline
+    from dpcs_compiler.stages.compile_parts import PartCompiler
+    from dpcs_compiler.stages.job import PhaseLevels
 
-    check = pipeline.PartCompiler.check_schedule
+    check = PartCompiler.check_schedule
 
     def inflated_check(self, phase, scheduled):
         if phase == kind:
             scheduled = dataclasses.replace(scheduled, peak_bytes=scheduled.peak_bytes + extra)
         return check(self, phase, scheduled)
 
-    monkeypatch.setattr(pipeline.PartCompiler, "check_schedule", inflated_check)
-    levels = pipeline.PhaseLevels.of
+    monkeypatch.setattr(PartCompiler, "check_schedule", inflated_check)
+    levels = PhaseLevels.of
 
     def inflated_levels(timeline):
         found = levels(timeline)
         field = "forward_peak" if kind == "forward" else "backward_peak"
         return dataclasses.replace(found, **{field: getattr(found, field) + extra})
 
-    monkeypatch.setattr(pipeline.PhaseLevels, "of", staticmethod(inflated_levels))
+    monkeypatch.setattr(PhaseLevels, "of", staticmethod(inflated_levels))
 
 
 @pytest.mark.parametrize("compiler", COMPILERS)
@@ -174,13 +175,13 @@ def test_compiled_graphs_over_the_plan_are_planned_again(monkeypatch, compiler):
 
 @pytest.mark.inductor
 def test_compiled_graphs_over_the_plan_after_the_last_replan_error_or_warn(monkeypatch):
-    import dpcs_compiler.pipeline as pipeline
+    import dpcs_compiler.stages.job as job
 
     w = gpt_workload()
     low, high = reachable_range(w, "inductor")
     budget = (low + high) // 2
     inflate(monkeypatch, "backward", (high - low) // 4)
-    monkeypatch.setattr(pipeline, "MAX_SCHEDULE_REPLANS", 0)
+    monkeypatch.setattr(job, "MAX_SCHEDULE_REPLANS", 0)
     torch._dynamo.reset()
     compiled = dpcs_compile(w.model, "inductor", memory_budget=budget)
     with pytest.raises(Exception, match=r"Inductor's schedule of its backward graph holds more .* after 0 re-plans"):
@@ -246,17 +247,17 @@ def test_an_unreadable_inductor_schedule_falls_back_to_the_partitioned_graphs(mo
 
 def backward_matmuls(monkeypatch, w, compiler: str, **options):
     """Compile `w` with these options; the number of matmuls in its backward graph, the measurement, the record."""
-    import dpcs_compiler.pipeline as pipeline
+    import dpcs_compiler.stages.partition as partition_stage
 
     seen = []
-    real = pipeline.partition_by_plan
+    real = partition_stage.partition_by_plan
 
     def spy(*args, **kwargs):
         forward, backward = real(*args, **kwargs)
         seen.append(sum(n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default) for n in backward.graph.nodes))
         return forward, backward
 
-    monkeypatch.setattr(pipeline, "partition_by_plan", spy)
+    monkeypatch.setattr(partition_stage, "partition_by_plan", spy)
     result, record = measured_step(w, compiler, **options)
     monkeypatch.undo()
     return seen[-1], result, record
@@ -297,19 +298,19 @@ def test_gelu_outputs_are_recomputed_before_any_matmul(monkeypatch):
 def test_a_re_plan_the_solver_finds_over_is_judged_by_its_own_compiled_graphs(monkeypatch):
     """The first plan's graphs hold so much more that no plan fits with that much less room: the lowest
     plan is compiled anyway and, holding no more than its model by its own graphs, fits (no error)."""
-    import dpcs_compiler.pipeline as pipeline
+    from dpcs_compiler.stages.compile_parts import PartCompiler
 
     w = gpt_workload()
     low, high = reachable_range(w, "inductor")
     budget = (low + high) // 2
-    check = pipeline.PartCompiler.check_schedule
+    check = PartCompiler.check_schedule
 
     def first_plan_over(self, phase, scheduled):
         if phase == "backward" and self.job.record.replans == 0:
             scheduled = dataclasses.replace(scheduled, peak_bytes=scheduled.peak_bytes + (high - low))
         return check(self, phase, scheduled)
 
-    monkeypatch.setattr(pipeline.PartCompiler, "check_schedule", first_plan_over)
+    monkeypatch.setattr(PartCompiler, "check_schedule", first_plan_over)
     result, record = measured_step(w, "inductor", memory_budget=budget)  # on_infeasible="error"
     assert record.replans == 1 and record.plan_feasible
     assert result.measured_peak_bytes <= record.predicted_peak_bytes * 1.05 and result.measured_peak_bytes <= budget

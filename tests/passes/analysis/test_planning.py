@@ -93,7 +93,7 @@ def test_saved_pointwise_values_are_materialized_under_inductor():
 def test_recomputations_that_would_outlive_their_inputs_are_ruled_out(monkeypatch):
     """In a residual conv net a block's sum reads a convolution whose own backward uses end earlier:
     recomputing the sum would keep the convolution alive longer than the model counts, so it is not offered."""
-    import dpcs_compiler.pipeline as pipeline
+    import dpcs_compiler.stages.memory_plan as memory_plan
     from dpcs_compiler.models import bench_workload
 
     seen = []
@@ -102,7 +102,7 @@ def test_recomputations_that_would_outlive_their_inputs_are_ruled_out(monkeypatc
         seen.append(planning_graph(schedule, analyses))
         return seen[-1]
 
-    monkeypatch.setattr(pipeline, "planning_graph", capture)
+    monkeypatch.setattr(memory_plan, "planning_graph", capture)
     w = bench_workload("convnet", quick=True)
     compiled = torch.compile(w.model, backend="dpcs", options={"compiler": "eager", "strict": True, "memory_budget": 2**40})
     w.loss_fn(compiled(*w.inputs)).backward()

@@ -1,0 +1,188 @@
+"""Final stage: each partitioned graph's rewrites (forward, backward, inference), then the final compiler
+(Inductor, holding its schedule to the budget, or "eager"), wired through AOTAutograd by `aot_compile`."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from dpcs_compiler.options import DpcsOptions
+from dpcs_compiler.passes.analysis import Schedule, memory_timeline, op_cost
+from dpcs_compiler.passes.analysis.inductor_schedule import (
+    ScheduledPeak,
+    probe_available,
+    probe_scheduled_peak,
+)
+from dpcs_compiler.passes.infra import Rewrite
+from dpcs_compiler.passes.rewrite.fusion_guard import planned_fusion_choices
+from dpcs_compiler.passes.rewrite.overflow_check import OverflowCheck
+from dpcs_compiler.stages.job import GraphJob, has_symbolic_shapes
+from dpcs_compiler.stages.partition import JointPartitioner
+
+# The rewrites of each partitioned graph, in order. Empty stages are the hooks later capabilities fill.
+FORWARD_REWRITES: tuple[Rewrite, ...] = ()
+BACKWARD_REWRITES: tuple[Rewrite, ...] = (OverflowCheck(),)
+INFERENCE_REWRITES: tuple[Rewrite, ...] = ()
+
+
+class PartCompiler:
+    """The forward / backward / inference stage: rewrites, then the final compiler."""
+
+    def __init__(self, job: GraphJob) -> None:
+        self.job = job
+
+    def prepare(self, kind: str, gm: fx.GraphModule) -> fx.GraphModule:
+        """dpcs's work on one part, guarded: if any of it fails (and not strict), the part compiles as given.
+
+        The backward can compile lazily, at the first backward call, outside the backend's own fail-safe;
+        rewrites work on a copy, so the graph given here is intact for that fallback.
+        """
+        job = self.job
+        try:
+            return self._prepare(kind, gm)
+        except Exception as error:
+            if job.options.strict:
+                raise
+            job.record.fallback = f"{kind} stage skipped: {type(error).__name__}: {error}"
+            warnings.warn(
+                f"dpcs {kind} stage failed for {job.record.graph}; compiling its {kind} graph without it: "
+                f"{type(error).__name__}: {error} (dump folder: {job.record.dump_dir or 'none (set dump_dir)'})",
+                stacklevel=2,
+            )
+            with contextlib.suppress(Exception):  # the summary is best effort here: the dump may be what failed
+                job.finish()
+            return gm
+
+    def _prepare(self, kind: str, gm: fx.GraphModule) -> fx.GraphModule:
+        job = self.job
+        if kind == "inference":
+            job.record.mode = "inference"
+            job.record.forward_nodes = len(gm.graph.nodes)
+            with job.ctx.instrumented("inference", "analyses"):
+                schedule = job.as_compiled(Schedule.of_graph(gm, parameter_indices=job.parameter_indices))
+                timeline = job.ctx.analyses.get(memory_timeline, schedule)
+                job.record.total_flops = job.ctx.analyses.get(op_cost, gm).total_flops
+                job.record.symbolic_shapes = has_symbolic_shapes(gm)
+            job.record_timeline("inference_memory_timeline", timeline)
+        rewrites = {"forward": FORWARD_REWRITES, "backward": BACKWARD_REWRITES, "inference": INFERENCE_REWRITES}[kind]
+        gm = job.rewrite(kind, gm, rewrites)
+        job.dump_graph(f"{kind}.final", gm)
+        job.finish()
+        return gm
+
+    def inductor_inner(self, gm: fx.GraphModule, example_inputs: Sequence[Any], *args: Any, **kwargs: Any):
+        """Stands in for Inductor's compile_fx_inner: dpcs rewrites first, then compile_fx_inner."""
+        from torch._inductor.compile_fx import compile_fx_inner
+
+        kind = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"
+        gm = self.prepare(kind, gm)
+        if self.job.options.memory_budget is None or kind == "inference":
+            return compile_fx_inner(gm, example_inputs, *args, **kwargs)
+        # Inductor's buffer pool keeps a dead buffer allocated until a later one of the same size takes it
+        # over, which can hold memory across the peak the plan was made for (measured: +8% on a 2-layer GPT
+        # with two recomputed MLP inputs). In-place reuse of dying inputs stays on; on CUDA the caching
+        # allocator reuses freed memory anyway.
+        with torch._inductor.config.patch(allow_buffer_reuse=False), contextlib.ExitStack() as stack:
+            probe = None
+            guard = stack.enter_context(planned_fusion_choices())
+            if kind in self.job.graph_inputs and probe_available():
+                resident, present = self.job.graph_inputs[kind]
+                probe = stack.enter_context(probe_scheduled_peak(resident=resident, present=present))
+            compiled = compile_fx_inner(gm, example_inputs, *args, **kwargs)
+        self.job.record.fusions_refused += guard.refused
+        if probe is None:
+            # The partitioned graphs were held to the budget instead (`JointPartitioner`).
+            warnings.warn(
+                "this torch's Inductor has no post-fusion scheduler hook (config._post_fusion_custom_pass): dpcs "
+                "holds the partitioned FX graphs to memory_budget, not the schedule Inductor generates",
+                stacklevel=2,
+            )
+        elif probe.errors:
+            message = f"dpcs could not read Inductor's schedule of the {kind} graph of {self.job.record.graph}"
+            if self.job.options.strict:
+                raise RuntimeError(f"{message}: {probe.errors[0]}")
+            warnings.warn(f"{message} ({probe.errors[0]}): holding the partitioned graphs to the budget", stacklevel=2)
+            self.job.hold_to_budget(dict(self.job.partition_excess), "its partitioned graphs")
+        elif probe.peaks:
+            self.check_schedule(kind, max(probe.peaks, key=lambda p: p.kernels))  # the graph itself, not a subgraph
+        else:  # Inductor scheduled nothing (no kernels): the partitioned graph is what runs
+            self.job.hold_to_budget(dict(self.job.partition_excess), "its partitioned graphs")
+        return compiled
+
+    def check_schedule(self, kind: str, scheduled: ScheduledPeak) -> None:
+        """Hold Inductor's schedule of a planned graph to the budget (`GraphJob.hold_to_budget`).
+
+        Inductor fuses kernels across the FX order (a recomputation with a later backward op that reads
+        the same saved value) and a fused kernel makes all its outputs at once, so its schedule can hold
+        more than the plan modelled. The graph's excess over the model is what the partitioned FX graph
+        holds beyond the model in that phase, plus what Inductor's schedule holds beyond the partitioned
+        graph (its peak above the graph's start, against the FX graph's, `PhaseLevels`), plus, for the
+        backward, what the scheduled forward left alive beyond the partitioned one.
+        """
+        job = self.job
+        excess = job.partition_excess[kind] + scheduled.increase_bytes - job.levels.increase(kind)
+        if kind == "forward":
+            # What the forward leaves beyond the model (a value it keeps that the model frees) is alive
+            # throughout the backward too.
+            job.carried_excess = scheduled.leaves_bytes - job.levels.forward_leaves
+        else:
+            excess += job.carried_excess
+        setattr(job.record, f"{kind}_schedule_excess_bytes", excess)
+        job.measured_excess[kind] = excess
+        counted = {k: job.measured_excess.get(k, job.schedule_excess[k]) for k in ("forward", "backward")}
+        job.hold_to_budget(counted, f"Inductor's schedule of its {kind} graph", final=kind == "backward")
+
+    def eager(self, kind: str) -> Callable:
+        from torch._dynamo.backends.debugging import boxed_nop
+
+        def compile_part(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+            return boxed_nop(self.prepare(kind, gm), example_inputs)
+
+        return compile_part
+
+
+def aot_compile(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    partitioner: JointPartitioner,
+    part_compiler: PartCompiler,
+    options: DpcsOptions,
+) -> Callable:
+    """AOTAutograd with dpcs's partitioner and part compiler, then the chosen final compiler.
+
+    Under a memory budget Inductor's buffer pool is off for the training graphs (`PartCompiler`).
+    """
+    functorch_patches: dict[str, Any] = {"enable_autograd_cache": False, "enable_remote_autograd_cache": False}
+    if options.compiler == "inductor" and options.memory_budget is not None and hasattr(
+        torch._functorch.config, "force_non_lazy_backward_lowering"
+    ):
+        # The backward compiles now, not at its first call: its schedule is checked against the budget
+        # and a re-plan (`ScheduleOverBudget`) must happen while compiling.
+        functorch_patches["force_non_lazy_backward_lowering"] = True
+    with torch._functorch.config.patch(**functorch_patches):
+        if options.compiler == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+
+            config_patches = {
+                "custom_partitioner_fn": partitioner,
+                "fx_graph_cache": False,
+                "fx_graph_remote_cache": False,
+            }
+            return compile_fx(gm, example_inputs, inner_compile=part_compiler.inductor_inner, config_patches=config_patches)
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._inductor.decomposition import select_decomp_table
+
+        backend = aot_autograd(
+            fw_compiler=part_compiler.eager("forward"),
+            bw_compiler=part_compiler.eager("backward"),
+            inference_compiler=part_compiler.eager("inference"),
+            partition_fn=partitioner,
+            decompositions=select_decomp_table(),
+            keep_inference_input_mutations=True,
+        )
+        return backend(gm, example_inputs)

@@ -1,0 +1,292 @@
+"""What one graph's compilation shares, across the stages: `GraphJob` (options, plan, analyses, instruments,
+record, dumps; the hardware profile and budget the graph is planned with; holding compiled graphs to the
+budget) and the small facts about a graph that several stages read."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import logging
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from dpcs_compiler import rank_agreement
+from dpcs_compiler.cost.budget import WORKSPACE_FRACTION, planning_target
+from dpcs_compiler.cost.hardware import ResolvedProfile
+from dpcs_compiler.cost.memory_model import MemoryProblem, plan_memory
+from dpcs_compiler.cost.profiles import resolve_profile
+from dpcs_compiler.debug.render import format_bytes
+from dpcs_compiler.options import DpcsOptions
+from dpcs_compiler.passes.analysis import FORWARD, Schedule
+from dpcs_compiler.passes.analysis.fusion import inductor_fusion
+from dpcs_compiler.passes.analysis.memory_timeline import MemoryTimeline
+from dpcs_compiler.passes.analysis.op_sites import example_value
+from dpcs_compiler.passes.infra import (
+    AnalysisCache,
+    PassContext,
+    PassTimer,
+    Rewrite,
+    run_rewrites,
+)
+from dpcs_compiler.plan import Plan
+from dpcs_compiler.report import CompileRecord, add_record
+
+log = logging.getLogger("dpcs.pipeline")
+
+_graph_ids = itertools.count()
+
+
+# Plans re-made per graph when the compiled graphs of a plan exceed the budget (`GraphJob.hold_to_budget`).
+MAX_SCHEDULE_REPLANS = 3
+
+
+class ScheduleOverBudget(Exception):
+    """The compiled graphs of a plan hold more than the plan left room for: plan again with less room."""
+
+    def __init__(self, excess: dict[str, int]) -> None:
+        super().__init__(f"the compiled graphs hold more than the plan model: {excess} B per phase")
+        self.excess = excess
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseLevels:
+    """The partitioned step's simulated live bytes at its phase boundaries (FX order, fusion model)."""
+
+    resident: int  # before the forward
+    forward_peak: int
+    after_forward: int  # when the backward starts (saved values, user outputs, resident)
+    backward_peak: int
+
+    @classmethod
+    def of(cls, timeline: MemoryTimeline) -> PhaseLevels:
+        forward = [s for s in timeline.steps if s.phase == FORWARD]
+        backward = [s for s in timeline.steps if s.phase != FORWARD]
+        after = forward[-1].after if forward else timeline.resident_bytes
+        return cls(
+            resident=timeline.resident_bytes,
+            forward_peak=max((s.during for s in forward), default=timeline.resident_bytes),
+            after_forward=after,
+            backward_peak=max((s.during for s in backward), default=after),
+        )
+
+    def increase(self, kind: str) -> int:
+        """The peak of the forward / backward graph above the level at its start."""
+        return self.forward_peak - self.resident if kind == "forward" else self.backward_peak - self.after_forward
+
+    @property
+    def forward_leaves(self) -> int:
+        """Bytes the forward graph leaves alive for the backward and the user (saved values, outputs)."""
+        return self.after_forward - self.resident
+
+
+@dataclasses.dataclass
+class GraphJob:
+    """Everything one graph's compilation shares: options, plan, analyses, instruments, record, dumps."""
+
+    options: DpcsOptions
+    record: CompileRecord
+    ctx: PassContext
+    parameter_indices: tuple[int, ...]
+    dumper: Any | None = None
+    # Holding the compiled graphs to the budget (`hold_to_budget`): bytes they held beyond the plan model
+    # per phase, as the planner counts them after a re-plan; the planner's problem (before those bytes);
+    # for the current plan, the partitioned step's levels, what its partitioned graphs and Inductor's
+    # schedule hold beyond the model, and each graph's resident and present inputs (Inductor's names).
+    schedule_excess: dict[str, int] = dataclasses.field(default_factory=lambda: {"forward": 0, "backward": 0})
+    problem: MemoryProblem | None = None
+    levels: PhaseLevels | None = None
+    graph_inputs: dict[str, tuple[frozenset[str], frozenset[str]]] = dataclasses.field(default_factory=dict)
+    measured_excess: dict[str, int] = dataclasses.field(default_factory=dict)
+    carried_excess: int = 0  # what the compiled forward leaves alive beyond the partitioned one
+    partition_excess: dict[str, int] = dataclasses.field(default_factory=dict)
+    replanning: bool = False
+    provisional: bool = False  # a re-plan the solver found over, compiled to be read (`hold_to_budget`)
+    graph_fingerprint: str = ""  # the Dynamo graph's identity across ranks (`rank_agreement`)
+    resolved_profile: ResolvedProfile | None = None  # `hardware_profile`
+    budget_bytes: int | None = None  # `planning_budget`
+
+    @classmethod
+    def start(cls, gm: fx.GraphModule, example_inputs: Sequence[Any], options: DpcsOptions) -> GraphJob:
+        name = f"graph_{next(_graph_ids):03d}"
+        record = CompileRecord(graph=name, compiler=options.compiler)
+        context = torch._guards.CompileContext.try_get()
+        if context is not None and context.compile_id is not None:
+            record.compile_id = f"{context.compile_id.frame_id}/{context.compile_id.frame_compile_id}"
+            record.attempt = context.attempt
+        record.dynamo_nodes = len(gm.graph.nodes)
+        instruments: list[Any] = [PassTimer(record.pass_seconds)]
+        dumper = None
+        if options.dump_dir is not None:
+            from dpcs_compiler.debug.dump import GraphDumper, new_graph_folder
+
+            dumper = GraphDumper(new_graph_folder(options.dump_dir, name))
+            record.dump_dir = str(dumper.folder)
+            instruments.append(dumper)
+        partitioner = "min_cut" if options.memory_budget is None else "dpcs_plan"  # fixed for the compile key
+        plan = Plan(graph=name, options_fingerprint=options.fingerprint(), partitioner=partitioner)
+        ctx = PassContext(plan=plan, analyses=AnalysisCache(), instruments=instruments)
+        add_record(record)
+        parameters = tuple(i for i, x in enumerate(example_inputs) if isinstance(x, torch.nn.Parameter))
+        log.info("compiling %s: %d Dynamo nodes", name, record.dynamo_nodes)
+        job = cls(options, record, ctx, parameters, dumper)
+        job.graph_fingerprint = rank_agreement.graph_fingerprint(gm.code, example_inputs)
+        job.finish()  # a compile that stops early still leaves a summary behind
+        return job
+
+    @property
+    def agreeing_ranks(self) -> bool:
+        """Whether this graph's planning inputs come from rank 0 and its plan is compared across ranks."""
+        return self.options.rank_agreement and rank_agreement.world() is not None
+
+    def hardware_profile(self, device: torch.device) -> ResolvedProfile:
+        """The profile this graph is planned with: the option's (or DPCS_HARDWARE_PROFILE's), resolved by rank 0
+        of a distributed job and used by every rank. Resolved once per graph: a re-plan takes no collective."""
+        if self.resolved_profile is None:
+            spec = self.options.hardware_profile
+            if not self.agreeing_ranks:
+                self.resolved_profile = resolve_profile(spec, device)
+            else:
+                resolved = rank_agreement.from_rank_zero(lambda: resolve_profile(spec, device), "hardware profile")
+                rank, _ = rank_agreement.world()
+                self.resolved_profile = (
+                    resolved if rank == 0 else ResolvedProfile(resolved.profile, f"rank 0's, {resolved.source}")
+                )
+        return self.resolved_profile
+
+    def check_ranks_agree(self) -> None:
+        """In a distributed job, compare this training graph's plan across the ranks (one small collective)."""
+        if not self.agreeing_ranks or self.record.mode != "training":
+            return
+        fields = {k: v for k, v in self.plan.to_json().items() if k not in ("graph", "hash", "plan_hash")}
+        label = self.record.graph + (f" (Dynamo id {self.record.compile_id})" if self.record.compile_id else "")
+        rank_agreement.check_plans_agree(label, self.graph_fingerprint, fields)
+
+    @property
+    def plan(self) -> Plan:
+        return self.ctx.plan
+
+    def dump_graph(self, name: str, gm: fx.GraphModule) -> None:
+        if self.dumper is not None:
+            self.dumper.write_graph(name, gm)
+
+    def as_compiled(self, schedule: Schedule) -> Schedule:
+        """The schedule as the final compiler runs it (Inductor fuses pointwise values away)."""
+        if self.options.compiler != "inductor":
+            return schedule
+        return schedule.as_inductor(frozenset().union(*(self.ctx.analyses.get(inductor_fusion, g) for g in schedule.graphs)))
+
+    def rewrite(self, stage: str, gm: fx.GraphModule, rewrites: Sequence[Rewrite]) -> fx.GraphModule:
+        """Apply a stage's rewrites to a copy of `gm`: the original stays intact for the fallbacks."""
+        if not rewrites:
+            return gm
+        return run_rewrites(stage, fx.GraphModule(gm, copy.deepcopy(gm.graph)), rewrites, self.ctx)
+
+    def record_timeline(self, name: str, timeline: MemoryTimeline) -> None:
+        self.record.predicted_peak_bytes = timeline.peak_bytes
+        self.record.resident_bytes = timeline.resident_bytes
+        self.record.peak_node = timeline.peak_step.node if timeline.peak_step else None
+        if self.dumper is not None:
+            self.dumper.write_timeline(name, timeline, title=f"{self.record.graph} {name} (simulated)")
+
+    def hold_to_budget(self, excess: dict[str, int], source: str, *, final: bool = True) -> None:
+        """Count what the compiled graphs hold beyond the plan model, and re-plan if that breaks the budget.
+
+        `excess` holds bytes per phase ("forward", "backward") that `source` (the partitioned graphs, or
+        Inductor's schedule of one of them) holds beyond the model. The prediction becomes the model with
+        those bytes added to that phase's steps (`MemoryProblem.with_schedule_excess`); the solver is held
+        to the same formula when it plans again. If a plan the solver found feasible is over the budget,
+        `ScheduleOverBudget` makes `compile_graph` plan again, at most MAX_SCHEDULE_REPLANS times; after
+        that, on_infeasible decides between an error and a warning. `final` is False while a phase's
+        excess is still the planner's assumption (the forward checked, the backward not yet compiled): a
+        plan compiled to be read (`provisional`) is then not judged yet.
+        """
+        memory = plan_memory(self.problem.with_schedule_excess(excess["forward"], excess["backward"]), self.plan.decisions)
+        self.ctx.plan = dataclasses.replace(self.plan, predicted_peak_bytes=memory.peak_bytes)
+        self.record.predicted_peak_bytes = memory.peak_bytes
+        self.finish()
+        budget = self.plan.budget_bytes
+        if self.provisional and not final:
+            return
+        if self.provisional and memory.peak_bytes <= planning_target(budget):
+            # The lowest plan, over by another plan's excess, fits by its own compiled graphs.
+            self.ctx.plan = dataclasses.replace(self.plan, feasible=True)
+            self.record.plan_feasible = True
+            self.provisional = False
+            self.finish()
+            return
+        if memory.peak_bytes <= planning_target(budget) or not (self.plan.feasible or self.provisional):
+            return
+        if self.replanning and self.record.replans < MAX_SCHEDULE_REPLANS and not self.provisional:
+            raise ScheduleOverBudget(excess)
+        over = ", ".join(f"{k} {v} B" for k, v in excess.items() if v > 0)
+        held = describe_budget(budget)
+        if self.provisional:
+            message = (
+                f"no dpcs plan for {self.record.graph} fits {held}: after {self.record.replans} re-plans the lowest "
+                f"plan, compiled, peaks at {format_bytes(memory.peak_bytes)} ({memory.peak_bytes} B; {source} "
+                f"holds {over or 'nothing'} beyond the plan model)"
+            )
+        else:
+            message = (
+                f"dpcs plan for {self.record.graph} fits {held} by the plan model, but {source} holds more ({over}), "
+                f"for a peak of {format_bytes(memory.peak_bytes)} ({memory.peak_bytes} B) after {self.record.replans} "
+                "re-plans" + ("" if self.replanning else " (compiled lazily, at the first backward: no re-plan possible)")
+            )
+        if self.options.on_infeasible == "error":
+            raise BudgetInfeasibleError(f"{message}; raise the budget, or pass on_infeasible='best' to compile it")
+        warnings.warn(f"{message}; compiling it (on_infeasible='best')", stacklevel=2)
+
+    def finish(self) -> None:
+        """Write the plan and the summary (again after each stage, so a lazy backward updates them)."""
+        self.record.plan_hash = self.plan.plan_hash()
+        if self.dumper is not None:
+            from dpcs_compiler.debug.dump import write_summary
+
+            self.dumper.write_json("plan.json", self.plan.to_json())
+            write_summary(self.record)
+
+
+def has_symbolic_shapes(gm: fx.GraphModule) -> bool:
+    """True if any tensor in the graph has a symbolic (dynamic) size."""
+    return any(
+        isinstance(d, torch.SymInt)
+        for n in gm.graph.nodes
+        if isinstance(v := n.meta.get("val"), torch.Tensor)
+        for d in v.shape
+    )
+
+
+def describe_budget(budget: int) -> str:
+    """The budget as the errors and warnings name it, with the peak plans are held to."""
+    return (
+        f"memory_budget {format_bytes(budget)} ({budget} B; plans are held to {planning_target(budget)} B, "
+        f"{WORKSPACE_FRACTION:.2%} less, for kernels' own workspace)"
+    )
+
+
+class BudgetInfeasibleError(ValueError):
+    """No plan brings the step's peak within the memory budget (and on_infeasible is "error")."""
+
+
+def graph_device(gm: fx.GraphModule) -> torch.device:
+    """The device of the graph's tensor inputs (one per graph; 0-dim CPU tensors, such as a step count,
+    may come along)."""
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    values = [v for n in placeholders if isinstance(v := n.meta.get("val", example_value(n)), torch.Tensor)]
+    devices = {v.device for v in values if v.dim() > 0 or v.device.type != "cpu"}  # CPU scalars ride along
+    devices = devices or {v.device for v in values}
+    if len(devices) != 1:
+        raise ValueError(f"memory planning needs one device per graph, found {sorted(map(str, devices))}")
+    return devices.pop()
+
+
+def value_dtype(node: fx.Node) -> torch.dtype:
+    """The dtype a node computes in (its first tensor output's; float32 for non-tensors)."""
+    value = node.meta.get("val")
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    return next((v.dtype for v in values if isinstance(v, torch.Tensor)), torch.float32)

@@ -1,0 +1,160 @@
+"""Memory-plan stage: candidates, cost model and solver write the plan's SAVE / RECOMPUTE / OFFLOAD decisions
+for the memory budget, costed with the graph's hardware profile."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+
+import torch
+import torch.fx as fx
+
+from dpcs_compiler import rank_agreement
+from dpcs_compiler.cost.budget import DeviceMemory, planning_target, resolve_budget
+from dpcs_compiler.cost.hardware import HardwareProfile
+from dpcs_compiler.cost.memory_model import OFFLOAD, RECOMPUTE, SAVE, plan_memory
+from dpcs_compiler.cost.op_time import node_seconds, transfer_seconds
+from dpcs_compiler.debug.render import format_bytes
+from dpcs_compiler.passes.analysis import op_cost
+from dpcs_compiler.passes.analysis.planning import (
+    PlanningGraph,
+    planning_graph,
+    planning_schedule,
+)
+from dpcs_compiler.plan import ValueDecision
+from dpcs_compiler.solve import solve
+from dpcs_compiler.solve.solution import measured_solution
+from dpcs_compiler.stages.job import (
+    BudgetInfeasibleError,
+    GraphJob,
+    describe_budget,
+    graph_device,
+    has_symbolic_shapes,
+    value_dtype,
+)
+from dpcs_compiler.types import NodeCost
+
+log = logging.getLogger("dpcs.pipeline")
+
+
+def planning_budget(job: GraphJob, device: torch.device, resident_bytes: int, profile: HardwareProfile) -> int:
+    """The memory_budget in bytes for this graph.
+
+    A fraction or "auto" is of the memory of the device the graph runs on, except when the profile describes
+    another kind of device (a GPU profile planning a graph traced on the CPU): then of the profile's memory,
+    that device assumed to hold nothing but this step. In a distributed job such a budget is the smallest over
+    the ranks, so the plan fits on every one.
+    """
+    if job.budget_bytes is not None:  # resolved once per graph: a re-plan reads free memory or ranks no more
+        return job.budget_bytes
+    spec = job.options.memory_budget
+    memory = None
+    if profile.device_type != device.type and profile.memory_bytes is not None:
+        memory = DeviceMemory(total_bytes=profile.memory_bytes, free_bytes=max(0, profile.memory_bytes - resident_bytes))
+    job.budget_bytes = resolve_budget(spec, device, resident_bytes, memory=memory)
+    if not isinstance(spec, int) and job.agreeing_ranks:
+        job.budget_bytes = rank_agreement.smallest(job.budget_bytes)
+    return job.budget_bytes
+
+
+def plan_memory_budget(job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: int) -> PlanningGraph:
+    """Candidates, cost model and solver: write the plan's decisions for the budget into `job.plan`."""
+    ctx, options = job.ctx, job.options
+    with ctx.instrumented("plan", "candidates"):
+        schedule = planning_schedule(
+            joint,
+            num_fwd_outputs=num_fwd_outputs,
+            parameter_indices=job.parameter_indices,
+            compiler=options.compiler,
+            analyses=ctx.analyses,
+        )
+        planning = ctx.analyses.get(planning_graph, schedule)
+        device = graph_device(joint)
+        resolved = job.hardware_profile(device)
+        profile = resolved.profile
+        costs = ctx.analyses.get(op_cost, joint).per_node
+        no_cost = NodeCost(0, 0, 0)
+
+        fused = schedule.fused
+
+        def seconds(node: fx.Node) -> float:
+            cost = costs.get(node, no_cost)
+            if node in fused:  # computed inside its readers' kernel: its own bytes never go through memory
+                cost = NodeCost(cost.flops, 0, 0)
+            return node_seconds(cost, value_dtype(node), profile)
+
+        # Offload is a host link's: the profile's (a GPU profile plans offloads even for a graph traced on CPU).
+        transfer = (lambda nbytes: transfer_seconds(nbytes, profile)) if profile.host_to_device is not None else None
+        job.problem = planning.memory_problem(seconds, transfer)
+        job.measured_excess, job.carried_excess = {}, 0
+        job.record.fusions_refused = 0
+        # Under Inductor, after a re-plan: the bytes its schedule held beyond the model (zero at first).
+        problem = job.problem.with_schedule_excess(job.schedule_excess["forward"], job.schedule_excess["backward"])
+        budget = planning_budget(job, device, planning.resident_bytes, profile)
+    with ctx.instrumented("plan", "solve"):
+        # A graph whose backward reads nothing of the forward has nothing to decide.
+        # Plans are held to the budget less an allowance for memory kernels allocate inside themselves.
+        target = planning_target(budget)
+        solution = solve(problem, target) if problem.candidates else measured_solution(problem, (), target, "none", 0.0)
+    if has_symbolic_shapes(joint):
+        warnings.warn(
+            f"dpcs planned {job.record.graph} for its traced sizes, but its shapes are dynamic: the plan is not "
+            "re-made for other sizes, so larger inputs can exceed memory_budget (compile with dynamic=False)",
+            stacklevel=2,
+        )
+    decisions = solution.decisions
+    values = tuple(
+        ValueDecision(
+            c.holder.name,
+            c.nbytes,
+            d,
+            reload_before=schedule.nodes[problem.reload_step(i)].name if d == OFFLOAD else None,
+            release_after=schedule.nodes[problem.offload_free_step(i)].name if d == OFFLOAD else None,
+        )
+        for i, (c, d) in enumerate(zip(planning.candidates, decisions))
+    )
+    peak_step = plan_memory(problem, decisions).peak_step
+    ctx.plan = dataclasses.replace(
+        job.plan.with_values(values),
+        budget_bytes=budget,
+        hardware=f"{profile.device_key}#{resolved.hash}",
+        predicted_peak_bytes=solution.peak_bytes,
+        feasible=solution.feasible,
+        peak_node=schedule.nodes[peak_step].name if peak_step >= 0 else None,
+    )
+    record = job.record
+    record.budget_bytes, record.plan_feasible, record.solver = budget, solution.feasible, solution.solver
+    record.hardware_profile = f"{profile.device_key}: {resolved.describe()}"
+    record.planned_for = profile.device_key if profile.device_type != device.type else None
+    record.recomputed_values = decisions.count(RECOMPUTE)
+    record.offloaded_values = decisions.count(OFFLOAD)
+    record.plan_added_seconds = solution.added_seconds
+    job.finish()
+    # After a re-plan the excess counted is another plan's: a plan the solver finds over may still fit once
+    # its own compiled graphs are read. It is compiled, and `hold_to_budget` decides.
+    job.provisional = not solution.feasible and job.record.replans > 0
+    if not solution.feasible and not job.provisional:
+        message = (
+            f"{describe_budget(budget)} cannot be met for {record.graph}: the smallest peak "
+            f"dpcs can reach is {format_bytes(solution.peak_bytes)} ({solution.peak_bytes} B), with "
+            f"{decisions.count(SAVE)} values saved, {record.recomputed_values} recomputed and "
+            f"{record.offloaded_values} offloaded (+{solution.added_seconds * 1e3:.2f} ms per step estimated)"
+        )
+        if any(v > 0 for v in job.schedule_excess.values()):
+            message += (
+                f", counting what the compiled graphs of an earlier plan held beyond the plan model (forward "
+                f"{max(job.schedule_excess['forward'], 0)} B, backward {max(job.schedule_excess['backward'], 0)} B)"
+            )
+        if options.on_infeasible == "error":
+            raise BudgetInfeasibleError(
+                f"{message}; raise the budget, or pass on_infeasible='best' to compile that plan"
+                + (f" (plan: {record.dump_dir}/plan.json)" if record.dump_dir else "")
+            )
+        warnings.warn(f"{message}; compiling that plan (on_infeasible='best')", stacklevel=2)
+    log.info(
+        "%s: budget %d B, plan peak %d B (%s), %d recomputed, %d offloaded",
+        record.graph, budget, solution.peak_bytes, "fits" if solution.feasible else "over",
+        record.recomputed_values, record.offloaded_values,
+    )
+    return planning

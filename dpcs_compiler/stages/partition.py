@@ -1,0 +1,143 @@
+"""Partition stage: joint analyses, the plan (memory budget) or torch's min-cut, the partition into forward
+and backward graphs, offload ops, and the simulated memory of the partitioned step."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch.fx as fx
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+from dpcs_compiler.cost.memory_model import OFFLOAD, plan_memory
+from dpcs_compiler.passes.analysis import (
+    FORWARD,
+    Schedule,
+    liveness,
+    memory_timeline,
+    op_cost,
+)
+from dpcs_compiler.passes.analysis.inductor_schedule import probe_available
+from dpcs_compiler.passes.analysis.planning import (
+    RUNTIME_ALLOWANCE_BYTES,
+)
+from dpcs_compiler.passes.rewrite.offload import insert_offloads
+from dpcs_compiler.passes.rewrite.partition import (
+    partition_by_plan,
+    recast_parameters_in_backward,
+    recompute_upcasts,
+)
+from dpcs_compiler.plan import ValueDecision
+from dpcs_compiler.stages.job import GraphJob, PhaseLevels, has_symbolic_shapes
+from dpcs_compiler.stages.memory_plan import plan_memory_budget
+
+log = logging.getLogger("dpcs.pipeline")
+
+
+class JointPartitioner(CustomPartitionerFn):
+    """Joint analyses, plan, partition and the simulated memory of the partitioned step."""
+
+    def __init__(self, job: GraphJob) -> None:
+        self.job = job
+
+    def uuid(self) -> str:
+        return self.job.plan.compile_key()
+
+    def __deepcopy__(self, memo: dict) -> JointPartitioner:
+        # Inductor deep-copies its config (repro strings, cache keys); this is a handle on one compile job.
+        return self
+
+    def __call__(self, joint: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
+        job, ctx = self.job, self.job.ctx
+        num_fwd_outputs = kwargs["num_fwd_outputs"]
+        job.record.joint_nodes = len(joint.graph.nodes)
+        job.dump_graph("joint", joint)
+        with ctx.instrumented("joint", "analyses"):
+            joint_schedule = job.as_compiled(
+                Schedule.of_joint(joint, num_fwd_outputs=num_fwd_outputs, parameter_indices=job.parameter_indices)
+            )
+            joint_timeline = ctx.analyses.get(memory_timeline, joint_schedule)
+            job.record.total_flops = ctx.analyses.get(op_cost, joint).total_flops
+            job.record.symbolic_shapes = has_symbolic_shapes(joint)
+        if job.dumper is not None:
+            job.dumper.write_timeline("joint_memory_timeline", joint_timeline, f"{job.record.graph} joint (no partition)")
+        if job.options.memory_budget is None:
+            with ctx.instrumented("partition", "min_cut"):
+                if job.plan.precision != "fp32" or any(d.fp8 for d in job.plan.fp8_linears):
+                    # Low-precision copies of weights are made again in backward, not saved; so are the
+                    # wide copies of narrow values.
+                    job.record.recast_parameter_nodes = recast_parameters_in_backward(joint, joint_schedule.parameters)
+                    forward_nodes = frozenset(n for n, phase in joint_schedule.phase.items() if phase == FORWARD)
+                    job.record.recomputed_upcasts = recompute_upcasts(joint, forward_nodes)
+                kwargs.setdefault("compiler", "inductor")  # Inductor passes it; the eager path asks for the same
+                forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        else:
+            planning = plan_memory_budget(job, joint, num_fwd_outputs)
+            with ctx.instrumented("partition", "plan"):
+                forward, backward = partition_by_plan(joint, joint_inputs, planning, job.plan.decisions, **kwargs)
+                offloaded = job.plan.decided(OFFLOAD)
+                if offloaded:
+                    insert_offloads(
+                        forward,
+                        backward,
+                        {v.name: v.reload_before for v in offloaded},
+                        release_after={v.name: v.release_after for v in offloaded},
+                    )
+        with ctx.instrumented("step", "analyses"):
+            step = job.as_compiled(
+                Schedule.of_partition(
+                    forward, backward, num_user_outputs=num_fwd_outputs, parameter_indices=job.parameter_indices
+                )
+            )
+            timeline = ctx.analyses.get(memory_timeline, step)
+            live = ctx.analyses.get(liveness, step)
+            # Bytes a saved value keeps alive: the buffers it points into, less those of resident inputs
+            # (a saved transpose of a weight costs nothing extra).
+            kept = {n: [b for b in live.references.get(n, ()) if b.producer not in step.resident] for n in step.saved}
+            saved = sorted((n for n in step.saved if kept[n]), key=lambda n: n.name)
+            values = tuple(ValueDecision(n.name, sum(live.hint(b) for b in kept[n])) for n in saved)
+            saved_buffers = {b for n in saved for b in kept[n]}
+        if job.options.memory_budget is None:
+            ctx.plan = job.plan.with_values(values)
+        job.record.forward_nodes = len(forward.graph.nodes)
+        job.record.backward_nodes = len(backward.graph.nodes)
+        job.record.saved_values = len(values)
+        job.record.saved_bytes = sum(live.hint(b) for b in saved_buffers)  # views of one buffer counted once
+        job.record_timeline("step_memory_timeline", timeline)
+        if job.options.memory_budget is not None:
+            # The reported prediction is the plan's, from the model the solver used (one peak formula); the
+            # partitioned graphs' own simulation is kept as a check, and is what Inductor's schedule of each
+            # graph is compared with (`PartCompiler.check_schedule`).
+            job.levels = PhaseLevels.of(timeline)
+            # A backward input is resident when it only points into resident buffers (a parameter, or a
+            # transposed view of one): freeing it frees nothing.
+            received = {p.name: not kept.get(src, ()) for p, src in step.receives.items()}
+            job.graph_inputs = {
+                "forward": (frozenset(p.name for p in step.resident), frozenset()),
+                "backward": (
+                    frozenset(p for p, resident in received.items() if resident),
+                    frozenset(p for p, resident in received.items() if not resident),
+                ),
+            }
+            job.record.partition_peak_bytes = timeline.peak_bytes
+            job.record.predicted_peak_bytes = job.plan.predicted_peak_bytes
+            job.record.peak_node = job.plan.peak_node
+            # What the partitioned graphs hold beyond the plan model, per phase (a value re-made once for
+            # several recomputations is counted once by the partition, per candidate by the model).
+            model = plan_memory(job.problem, job.plan.decisions).bytes_during
+            start = job.problem.backward_start
+            job.partition_excess = {
+                "forward": job.levels.forward_peak + RUNTIME_ALLOWANCE_BYTES - int(model[:start].max(initial=0)),
+                "backward": job.levels.backward_peak + RUNTIME_ALLOWANCE_BYTES - int(model[start:].max(initial=0)),
+            }
+            if job.options.compiler != "inductor" or not probe_available():
+                # These graphs run as they are (or Inductor's schedule cannot be read): hold them to the budget.
+                job.hold_to_budget(dict(job.partition_excess), "its partitioned graphs")
+        job.finish()
+        log.info(
+            "%s: saved %d values (%d B), predicted peak %d B at %s",
+            job.record.graph, len(values), job.record.saved_bytes, timeline.peak_bytes, job.record.peak_node,
+        )
+        return forward, backward
