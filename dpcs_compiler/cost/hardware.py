@@ -456,8 +456,8 @@ def _load(path: Path, key: str) -> HardwareProfile | None:
     return profile
 
 
-def _store(path: Path, profile: HardwareProfile) -> None:
-    """Write atomically (temporary file, then rename); a cache that cannot be written is only logged."""
+def _store(path: Path, profile: HardwareProfile) -> bool:
+    """Write atomically (temporary file, then rename); a cache that cannot be written is only logged (False)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
@@ -470,6 +470,8 @@ def _store(path: Path, profile: HardwareProfile) -> None:
             raise
     except OSError as e:
         log.warning("hardware profile not cached at %s: %s", path, e)
+        return False
+    return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -502,9 +504,8 @@ def measured_profile(
         return _MEMO[memo_key]
     path = cache_path(key, directory)
     profile = None if refresh else _load(path, key)
-    if profile is not None:
-        resolved = ResolvedProfile(profile, f"measured {profile.measured_at}, cached at {path}")
-    else:
+    source = f"cached at {path}"
+    if profile is None:
         profile = measure_hardware_profile(device)
         if profile.device_key != key:
             raise RuntimeError(f"measured profile is for {profile.device_key!r}, expected {key!r}")
@@ -516,10 +517,9 @@ def measured_profile(
                 "(option hardware_profile, or DPCS_HARDWARE_PROFILE: 'reference-cpu' or a profile file)",
                 key, profile.cpu_share, usable_cpus(),
             )
-            resolved = ResolvedProfile(profile, f"measured {profile.measured_at} on a busy CPU (CPU share "
-                                                f"{profile.cpu_share:.2f}), not cached")
-        else:
-            _store(path, profile)
-            resolved = ResolvedProfile(profile, f"measured {profile.measured_at}, cached at {path}")
+            source = f"on a busy CPU (CPU share {profile.cpu_share:.2f}), not cached"
+        elif not _store(path, profile):
+            source = f"not cached (cannot write {path})"
+    resolved = ResolvedProfile(profile, f"measured {profile.measured_at}, {source}")
     _MEMO[memo_key] = resolved
     return resolved

@@ -257,3 +257,10 @@ def test_a_bad_device_is_a_value_error_naming_it(tmp_path, device):
 def test_cuda_without_cuda_is_a_value_error(tmp_path):
     with pytest.raises(ValueError, match="CUDA is not available"):
         measured_profile("cuda:0", cache_dir=tmp_path)
+
+
+def test_a_profile_that_cannot_be_cached_says_so(tmp_path, counted_measure):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")  # the cache folder would have to be made inside a file
+    resolved = measured_profile("cpu", cache_dir=blocker)
+    assert resolved.source.endswith(f"not cached (cannot write {cache_path(device_key('cpu'), blocker)})")
