@@ -1,0 +1,85 @@
+"""What the runtime decides between steps, as a plain record: the precision mode, the regions kept in fp32,
+and how tight the memory budget is. Pure Python (no torch): policies produce it, `runtime/variants.py` turns it
+into each graph's compile options, and its key names the variant.
+
+Precision modes, highest precision first: "fp32"; "bf16" and "fp16" (matmuls, linears, convolutions and
+attention in that dtype: the `precision` option); "fp8" (eligible linears as fp8 matmuls on top of the 16-bit
+mode: the `fp8` option).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Any
+
+PRECISION_MODES = ("fp32", "bf16", "fp16", "fp8")
+# How much precision a mode keeps: a ladder of modes must strictly decrease in it.
+MODE_RANK = {"fp32": 3, "bf16": 2, "fp16": 2, "fp8": 1}
+
+
+def check_mode(name: str, value: Any) -> str:
+    if value not in PRECISION_MODES:
+        raise ValueError(f"{name}={value!r} is not valid; valid choices: {', '.join(map(repr, PRECISION_MODES))}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Decisions:
+    """One set of runtime decisions; equal decisions compile to the same variant of every graph.
+
+    precision: a mode of PRECISION_MODES for the whole model.
+    fp32_regions: module names (as `model.named_modules()` names them) whose ops stay in fp32 whatever the
+        mode: regions that overflowed.
+    budget_scale: None (each graph's memory_budget as compiled), or a factor in (0, 1] applied to each
+        graph's reference: its compiled budget, or, without one, the peak its first plan predicted.
+    budget_bytes: an absolute memory_budget for every graph (`Runtime.force_budget`); wins over the scale.
+    """
+
+    precision: str = "fp32"
+    fp32_regions: tuple[str, ...] = ()
+    budget_scale: float | None = None
+    budget_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        check_mode("Decisions.precision", self.precision)
+        if isinstance(self.fp32_regions, str) or not all(isinstance(r, str) and r for r in self.fp32_regions):
+            raise ValueError(
+                f"Decisions.fp32_regions={self.fp32_regions!r} is not valid; valid choices: module names (non-empty str)"
+            )
+        object.__setattr__(self, "fp32_regions", tuple(sorted(set(self.fp32_regions))))
+        if self.budget_scale is not None:
+            if isinstance(self.budget_scale, bool) or not isinstance(self.budget_scale, (int, float)) or not (
+                0.0 < self.budget_scale <= 1.0
+            ):
+                raise ValueError(
+                    f"Decisions.budget_scale={self.budget_scale!r} is not valid; valid choices: None or a number in (0, 1]"
+                )
+            # Rounded, so the same level reached by two paths is the same variant.
+            object.__setattr__(self, "budget_scale", round(float(self.budget_scale), 6))
+        if self.budget_bytes is not None and (
+            isinstance(self.budget_bytes, bool) or not isinstance(self.budget_bytes, int) or self.budget_bytes <= 0
+        ):
+            raise ValueError(f"Decisions.budget_bytes={self.budget_bytes!r} is not valid; valid choices: None or bytes > 0")
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "fp32_regions": list(self.fp32_regions)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Decisions:
+        return cls(**{**data, "fp32_regions": tuple(data.get("fp32_regions", ()))})
+
+    def key(self) -> str:
+        """A stable short hash: the variant's name in logs, telemetry and caches."""
+        return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()[:12]
+
+    def describe(self) -> str:
+        parts = [self.precision]
+        if self.fp32_regions:
+            parts.append(f"fp32 regions {', '.join(self.fp32_regions)}")
+        if self.budget_bytes is not None:
+            parts.append(f"budget {self.budget_bytes} B")
+        elif self.budget_scale is not None:
+            parts.append(f"budget x{self.budget_scale:g}")
+        return "; ".join(parts)
