@@ -1,9 +1,12 @@
-"""The Dynamo backend "dpcs": validates options, runs the pipeline, and fails safe.
+"""The Dynamo backend "dpcs": validates options, returns the graph's variant dispatcher, and fails safe.
 
 Registered through the `torch_dynamo_backends` entry point, so `torch.compile(m, backend="dpcs")` works in
 a process that never imported dpcs_compiler. If a dpcs stage raises while compiling a graph, that graph
 falls back to plain Inductor with a warning naming the error and the dump folder, unless the options say
 `"strict": True`, in which case the error propagates. Bad options always raise.
+
+What it returns is a `GraphDispatcher` (`runtime/variants.py`): the graph compiled with its options, which a
+`Runtime` can switch to variants compiled under other decisions between steps, without Dynamo.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from dpcs_compiler.debug.dump import write_summary
 from dpcs_compiler.options import DpcsOptions
 from dpcs_compiler.pipeline import compile_graph
 from dpcs_compiler.rank_agreement import RankDisagreementError
-from dpcs_compiler.stages.job import BudgetInfeasibleError
 from dpcs_compiler.report import compile_records, records_since
+from dpcs_compiler.runtime.variants import GraphDispatcher
+from dpcs_compiler.stages.job import BudgetInfeasibleError
 
 log = logging.getLogger("dpcs.backend")
 
@@ -41,7 +45,12 @@ def dpcs_backend(
             f"the dpcs backend got unexpected torch.compile arguments {sorted(unexpected)}; "
             "pass dpcs settings through options={...} (mode= is not supported)"
         )
-    opts = DpcsOptions.from_dict(options)
+    return GraphDispatcher(gm, example_inputs, DpcsOptions.from_dict(options), compile_with_fallback)
+
+
+def compile_with_fallback(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: DpcsOptions, fallback: bool) -> Callable:
+    """The dpcs pipeline on `gm`; if it fails and the options are not strict, plain Inductor when `fallback`
+    (the graph's first compile), else the error (a runtime variant: the dispatcher keeps its current one)."""
     records_before = compile_records()
     try:
         # Inductor takes ownership of the graph it compiles and mutates it: dpcs gets a copy, so the
@@ -52,7 +61,7 @@ def dpcs_backend(
         # different plans, on every rank alike): not a failure to hide behind a fallback
         raise
     except Exception as error:
-        if opts.strict:
+        if opts.strict or not fallback:
             raise
         new_records = records_since(records_before)
         dump = new_records[0].dump_dir if new_records and new_records[0].dump_dir else "none (set dump_dir)"
@@ -64,7 +73,7 @@ def dpcs_backend(
             f"{type(error).__name__}: {error} (dump folder: {dump}; pass options={{'strict': True}} to raise)"
             + ("; its memory_budget is NOT applied" if opts.memory_budget is not None else ""),
             DpcsFallbackWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
         log.warning("dpcs fallback traceback:\n%s", traceback.format_exc())
         from torch._inductor.compile_fx import compile_fx

@@ -1,0 +1,33 @@
+"""Between steps: signals, policies, plan variants, telemetry and rank agreement.
+
+    rt = dpcs_compiler.Runtime(model, telemetry="telemetry.jsonl")
+    ...; optimizer.step(); rt.step(loss=loss, optimizer=optimizer, scaler=scaler)
+"""
+
+from dpcs_compiler.runtime.decisions import PRECISION_MODES, Decisions
+from dpcs_compiler.runtime.policies import (
+    MemoryPolicy,
+    MemoryPolicyConfig,
+    Policy,
+    PrecisionPolicy,
+    PrecisionPolicyConfig,
+    Signals,
+)
+from dpcs_compiler.runtime.runtime import Runtime, RuntimeConfig, default_regions
+from dpcs_compiler.runtime.telemetry import Telemetry, read_telemetry
+
+__all__ = [
+    "PRECISION_MODES",
+    "Decisions",
+    "MemoryPolicy",
+    "MemoryPolicyConfig",
+    "Policy",
+    "PrecisionPolicy",
+    "PrecisionPolicyConfig",
+    "Runtime",
+    "RuntimeConfig",
+    "Signals",
+    "Telemetry",
+    "default_regions",
+    "read_telemetry",
+]

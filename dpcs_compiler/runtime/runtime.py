@@ -1,0 +1,364 @@
+"""The Runtime: called once per step, it reads the run's signals, runs the policies and switches every graph
+dpcs compiled for the model to the variant of their decisions.
+
+    rt = dpcs_compiler.Runtime(model, telemetry="runs/telemetry.jsonl")
+    for batch in data:
+        optimizer.zero_grad(set_to_none=True)
+        loss = compiled(batch)
+        loss.backward()
+        optimizer.step()
+        rt.step(loss=loss, optimizer=optimizer)    # after the optimizer step; with AMP: scaler=scaler
+
+Per step it only queues device ops (`runtime/signals.py`); every `signal_every` steps it reads them, combined
+over the ranks of a distributed job, and the policies (`runtime/policies.py`) propose decisions, taken on
+rank 0 (`runtime/distributed.py`). A change takes effect at the next step: each graph runs the variant of
+the new decisions, compiled at its first call and cached (`runtime/variants.py`). A thrash guard allows at
+most `max_compiles` new variants per `compile_window` steps; beyond it the decisions hold and the log says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dpcs_compiler import rank_agreement
+from dpcs_compiler.options import parse_memory_budget
+from dpcs_compiler.runtime.decisions import Decisions, check_mode
+from dpcs_compiler.runtime.distributed import decide_on_rank_zero, reduce_signals
+from dpcs_compiler.runtime.policies import MemoryPolicy, Policy, PrecisionPolicy, Signals
+from dpcs_compiler.runtime.signals import SignalCollector, reduce_rule
+from dpcs_compiler.runtime.telemetry import Telemetry
+from dpcs_compiler.runtime.variants import (
+    CompileEvent,
+    GraphDispatcher,
+    VariantControl,
+    mode_of,
+    register_parameters,
+    unregister_parameters,
+)
+
+log = logging.getLogger("dpcs.runtime")
+
+STATE_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RuntimeConfig:
+    """signal_every: steps per read of the signals (one host read, one small collective in a distributed
+    job); decisions are taken at reads. max_compiles / compile_window: at most this many new variants per
+    window of steps (the thrash guard). telemetry_every: steps per telemetry write. max_oom_retries: how
+    often `run_step` retries a step that ran out of memory, each time with a tighter budget."""
+
+    signal_every: int = 10
+    max_compiles: int = 4
+    compile_window: int = 100
+    telemetry_every: int = 10
+    max_oom_retries: int = 2
+
+    def __post_init__(self) -> None:
+        for field, minimum in (("signal_every", 1), ("max_compiles", 1), ("compile_window", 1), ("telemetry_every", 1),
+                               ("max_oom_retries", 0)):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"RuntimeConfig.{field}={value!r} is not valid; valid choices: an int >= {minimum}")
+
+
+def default_regions(model: torch.nn.Module) -> dict[str, list[torch.nn.Parameter]]:
+    """The model's regions: the children of its containers (ModuleList, Sequential, ModuleDict: `blocks.0`),
+    found depth first, and every other child of the root as itself; each with its parameters."""
+    regions: dict[str, list[torch.nn.Parameter]] = {}
+
+    def visit(prefix: str, module: torch.nn.Module) -> None:
+        for name, child in module.named_children():
+            full = f"{prefix}{name}"
+            if isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)):
+                for sub_name, sub in child.named_children():
+                    if any(True for _ in sub.parameters()):
+                        regions[f"{full}.{sub_name}"] = list(sub.parameters())
+            elif any(True for _ in child.parameters()):
+                regions[full] = list(child.parameters())
+
+    visit("", model)
+    return regions
+
+
+def _modules(models: torch.nn.Module | Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
+    models = [models] if isinstance(models, torch.nn.Module) else list(models)
+    if not models or not all(isinstance(m, torch.nn.Module) for m in models):
+        raise ValueError(f"Runtime needs a model or a list of models (torch.nn.Module), got {models!r}")
+    # torch.compile's wrapper, DDP and FSDP wrappers hold the same parameters as the module they wrap.
+    return [getattr(m, "_orig_mod", m) for m in models]
+
+
+class Runtime:
+    """Adapts the plans dpcs compiled for `models` between steps; see the module docstring."""
+
+    def __init__(
+        self,
+        models: torch.nn.Module | Sequence[torch.nn.Module],
+        policies: Sequence[Policy] | None = None,
+        telemetry: str | Path | Telemetry | None = None,
+        *,
+        regions: Mapping[str, Iterable[torch.nn.Parameter]] | None = None,
+        config: RuntimeConfig | None = None,
+        **config_fields: Any,
+    ) -> None:
+        if config is not None and config_fields:
+            raise ValueError("Runtime takes config= or its fields as keywords, not both")
+        self.config = config or RuntimeConfig(**config_fields)
+        modules = _modules(models)
+        self.parameters = list({id(p): p for m in modules for p in m.parameters()}.values())
+        if regions is None:
+            regions = {name: params for m in modules for name, params in default_regions(m).items()}
+        self.regions = {name: list(params) for name, params in regions.items()}
+        self.policies = list(policies) if policies is not None else [PrecisionPolicy(), MemoryPolicy()]
+        if not all(isinstance(p, Policy) for p in self.policies):
+            raise ValueError(f"Runtime policies must be Policy instances, got {self.policies!r}")
+        if isinstance(telemetry, (str, Path)):
+            telemetry = Telemetry(telemetry, every=self.config.telemetry_every)
+        self.telemetry = telemetry
+        self.control = VariantControl()
+        register_parameters(self.control, self.parameters)
+        self.collector = SignalCollector(
+            self.regions, [p for p in self.parameters if p.requires_grad], every=self.config.signal_every,
+            watch_overflow_flag=self._graphs_detect_overflow,
+        )
+        self.step_count = 0
+        self.seen: set[str] = set()  # decision keys whose variants were compiled
+        self.compile_steps: list[int] = []  # steps at which the runtime switched to an unseen variant
+        self.compile_events: list[CompileEvent] = []  # every variant compiled for the model, in order
+        self.forced_precision: tuple[str, tuple[str, ...]] | None = None
+        self.forced_budget: int | None = None
+        self.last_signals: Signals | None = None
+        self._launched_at: int | None = None
+        self._oom = False
+        self._closed = False
+
+    # ---- what the runtime drives -------------------------------------------------------------------------
+
+    @property
+    def graphs(self) -> list[GraphDispatcher]:
+        """The dispatchers of the graphs compiled for the model so far."""
+        return sorted(self.control.dispatchers, key=lambda d: d.name)
+
+    @property
+    def decisions(self) -> Decisions:
+        """The current decisions (before the first, the compile options' mode)."""
+        return self.control.decisions or self._compiled()
+
+    def _compiled(self) -> Decisions:
+        graphs = self.graphs
+        return Decisions(precision=mode_of(graphs[0].options) if graphs else "fp32")
+
+    def _graphs_detect_overflow(self) -> bool:
+        return any(d.options.overflow_detected for d in self.control.dispatchers)
+
+    # ---- the step ----------------------------------------------------------------------------------------
+
+    def step(self, loss: torch.Tensor | None = None, optimizer: torch.optim.Optimizer | None = None, scaler: Any = None) -> Decisions | None:
+        """Call once per step, after the optimizer step. Returns the new decisions when they changed at this
+        step (they apply from the next step), else None."""
+        if self._closed:
+            raise RuntimeError("this Runtime was closed")
+        del optimizer  # accepted for the loop's symmetry; the gradients are read from the parameters
+        self.step_count += 1
+        self.collector.collect(loss=loss, scaler=scaler)
+        changed = None
+        if self.step_count % self.config.signal_every == 0:
+            self.collector.launch_read()
+            self._launched_at = self.step_count
+        if self._launched_at is not None and self.step_count >= self._launched_at + self.collector.lag:
+            self._launched_at = None
+            vector = reduce_signals(self.collector.take_read(oom=self._oom), reduce_rule(len(self.collector.region_names)))
+            self._oom = False
+            changed = self._decide(self.collector.snapshot_from(vector, self.step_count))
+        self._record_compiles()
+        return changed
+
+    def run_step(self, step_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run `step_fn(*args, **kwargs)` (forward, backward, optimizer step); on an out-of-memory error,
+        tighten the budget and run it again, up to `max_oom_retries` times. `step_fn` must start from
+        zeroed gradients (`optimizer.zero_grad()` first), as a retried step runs from its start.
+
+        In a distributed job an out-of-memory error is raised, not retried: the other ranks are already in
+        the step's collectives."""
+        for attempt in range(self.config.max_oom_retries + 1):
+            try:
+                return step_fn(*args, **kwargs)
+            except torch.OutOfMemoryError:
+                if attempt == self.config.max_oom_retries or rank_agreement.world() is not None:
+                    raise
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            self._oom = True
+            changed = self._decide(Signals(step=self.step_count, steps=0, oom=True))
+            log.warning("step %d ran out of memory: retrying with %s", self.step_count, (changed or self.decisions).describe())
+        raise AssertionError("unreachable")
+
+    def _decide(self, signals: Signals) -> Decisions | None:
+        self.last_signals = signals
+        for policy in self.policies:
+            if isinstance(policy, PrecisionPolicy):
+                policy.start(self._compiled().precision)
+            policy.update(signals)
+        reasons = [f"{p.name}: {p.reason}" for p in self.policies if p.reason]
+        proposed, held = decide_on_rank_zero(self._proposal)
+        if held:
+            log.warning("step %d: %s", self.step_count, held)
+        changed = self._apply(proposed)
+        for reason in reasons:
+            log.info("step %d: %s", self.step_count, reason)
+        if self.telemetry is not None:
+            self.telemetry.record({
+                "step": self.step_count, "kind": "signals", "signals": signals.to_json(), "decisions": self.decisions.to_json(),
+                "variant": self.decisions.key(), "changed": changed is not None, "reasons": reasons, "held": held,
+                "budget_bytes": self._budget_bytes(),
+            })
+        return changed
+
+    def _proposal(self) -> tuple[Decisions, str | None]:
+        """The policies' decisions with the overrides on top, and why they are held if the guard holds them."""
+        decisions = self._compiled()  # each policy sets its own part; overrides go on top
+        for policy in self.policies:
+            decisions = policy.propose(decisions)
+        decisions = self._overridden(decisions)
+        current = self.control.decisions or self._compiled()
+        if decisions.key() not in self.seen and decisions not in (current, self._compiled()):
+            recent = [s for s in self.compile_steps if s > self.step_count - self.config.compile_window]
+            if len(recent) >= self.config.max_compiles:
+                return current, (
+                    f"thrash guard: {len(recent)} variants compiled in the last {self.config.compile_window} steps "
+                    f"(max_compiles={self.config.max_compiles}); holding {current.describe()} instead of compiling "
+                    f"{decisions.describe()}"
+                )
+        return decisions, None
+
+    def _overridden(self, decisions: Decisions) -> Decisions:
+        if self.forced_precision is not None:
+            mode, regions = self.forced_precision
+            decisions = dataclasses.replace(decisions, precision=mode, fp32_regions=regions)
+        if self.forced_budget is not None:
+            decisions = dataclasses.replace(decisions, budget_bytes=self.forced_budget, budget_scale=None)
+        return decisions
+
+    def _apply(self, decisions: Decisions) -> Decisions | None:
+        if self.control.decisions is None and decisions == self._compiled():
+            return None
+        if not self.control.set(decisions):
+            return None
+        if decisions.key() not in self.seen:
+            self.compile_steps.append(self.step_count)
+            self.seen.add(decisions.key())
+        log.info("step %d: switching to %s (variant %s)", self.step_count, decisions.describe(), decisions.key())
+        return decisions
+
+    def _record_compiles(self) -> None:
+        events, self.control.events[:] = list(self.control.events), []
+        if events and self.telemetry is not None:
+            self.telemetry.record({
+                "step": self.step_count, "kind": "compiles", "compiles": [e.to_json() for e in events],
+                "variant": self.decisions.key(), "decisions": self.decisions.to_json(), "budget_bytes": self._budget_bytes(),
+            })
+        self.compile_events.extend(events)
+        for event in events:
+            if event.feasible is False:
+                for policy in self.policies:
+                    if isinstance(policy, MemoryPolicy) and self.decisions.budget_scale is not None:
+                        policy.no_tighter()
+
+    def _budget_bytes(self) -> int | None:
+        budgets = [d.current_budget_bytes for d in self.control.dispatchers if d.current_budget_bytes is not None]
+        return max(budgets) if budgets else None
+
+    # ---- overrides ---------------------------------------------------------------------------------------
+
+    def force_precision(self, mode: str, regions: Iterable[str] = ()) -> None:
+        """Run in `mode` (and keep `regions` in fp32) from the next step, whatever the policies say, until
+        `clear_overrides`. Every rank must call it at the same step (rank 0's call decides)."""
+        check_mode("Runtime.force_precision mode", mode)
+        regions = tuple(regions)
+        unknown = [r for r in regions if r not in self.regions]
+        if unknown:
+            raise ValueError(f"Runtime.force_precision regions {unknown} are not regions of the model; valid choices: {sorted(self.regions)}")
+        self.forced_precision = (mode, regions)
+        self._decide_now()
+
+    def force_budget(self, budget: int | str) -> None:
+        """Plan every graph with this memory budget (bytes, or "6GiB") from the next step, until `clear_overrides`."""
+        value = parse_memory_budget(budget)
+        if not isinstance(value, int):
+            raise ValueError(f"Runtime.force_budget({budget!r}) is not valid; valid choices: bytes as an int > 0 or a size string like '6GiB'")
+        self.forced_budget = value
+        self._decide_now()
+
+    def clear_overrides(self) -> None:
+        """Back to the policies' decisions from the next step."""
+        self.forced_precision = None
+        self.forced_budget = None
+        self._decide_now()
+
+    def _decide_now(self) -> None:
+        proposed, held = decide_on_rank_zero(self._proposal)
+        if held:
+            log.warning("step %d: %s", self.step_count, held)
+        self._apply(proposed)
+
+    # ---- state -------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs to compile the same variant first and take the same decisions."""
+        return {
+            "version": STATE_VERSION,
+            "step": self.step_count,
+            "decisions": None if self.control.decisions is None else self.control.decisions.to_json(),
+            "forced_precision": None if self.forced_precision is None else [self.forced_precision[0], list(self.forced_precision[1])],
+            "forced_budget": self.forced_budget,
+            "policies": [{"name": p.name, "type": type(p).__name__, "state": p.state_dict()} for p in self.policies],
+            "references": dict(self.control.references),
+            "seen": sorted(self.seen),
+            "compile_steps": list(self.compile_steps),
+            "signals": self.collector.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"Runtime state version {state.get('version')!r} is not valid; valid choices: {STATE_VERSION}")
+        saved = [(p["name"], p["type"]) for p in state["policies"]]
+        mine = [(p.name, type(p).__name__) for p in self.policies]
+        if saved != mine:
+            raise ValueError(f"Runtime state was saved with policies {saved}; this runtime has {mine}")
+        for policy, saved_policy in zip(self.policies, state["policies"]):
+            policy.load_state_dict(saved_policy["state"])
+        self.step_count = state["step"]
+        forced = state["forced_precision"]
+        self.forced_precision = None if forced is None else (forced[0], tuple(forced[1]))
+        self.forced_budget = state["forced_budget"]
+        self.control.references.update(state["references"])
+        self.seen = set(state["seen"])
+        self.compile_steps = list(state["compile_steps"])
+        self.collector.load_state_dict(state["signals"])
+        decisions = state["decisions"]
+        self.control.set(None if decisions is None else Decisions.from_json(decisions))
+
+    def close(self) -> None:
+        """Write the telemetry left in the buffer and return the graphs to their compile options."""
+        if self._closed:
+            return
+        self._record_compiles()
+        if self.telemetry is not None:
+            self.telemetry.close()
+        unregister_parameters(self.control)
+        self._closed = True
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

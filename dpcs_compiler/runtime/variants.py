@@ -1,0 +1,293 @@
+"""Variants of one Dynamo graph, switched between steps without going through Dynamo.
+
+The backend returns a `GraphDispatcher` instead of the compiled graph. It keeps the Dynamo graph, fake
+versions of its example inputs and Dynamo's fake mode (their symbolic shapes included), and compiles the
+graph under a set of runtime decisions (`Decisions`: precision mode, regions kept in fp32, budget) into a
+variant: AOTAutograd and Inductor, as the backend compiles any graph, with the options those decisions give.
+A `VariantControl` holds the current decisions and a version number; per call the dispatcher compares one
+integer and, only when the version moved, finds or compiles (once, at the first call in the new state, from
+the kept fake inputs) the variant of the new decisions. Variants are cached by the options they compile
+with (`DpcsOptions.fingerprint`), so switching back to a seen one compiles nothing, and Dynamo never sees a
+change: no guard fails, no recompile, `recompile_limit` is never reached.
+
+A step's forward and backward belong to one variant: the backward is the compiled autograd function the
+forward returned, so a switch between steps never mixes plans.
+
+Without a Runtime, every dispatcher is bound to `UNBOUND`, whose version never moves: the graph runs the
+variant of its compile options, exactly as before runtimes existed. A Runtime binds the dispatchers of the
+graphs that take its model's parameters (`bind`), and a graph compiled after the Runtime was made binds at
+compile time, so a resumed run compiles the restored variant first.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from dpcs_compiler.options import DpcsOptions, Fp8Options
+from dpcs_compiler.passes.analysis.op_sites import module_stack
+from dpcs_compiler.rank_agreement import graph_fingerprint
+from dpcs_compiler.report import CompileRecord, compile_records, records_since
+from dpcs_compiler.runtime.decisions import Decisions
+
+log = logging.getLogger("dpcs.runtime")
+
+# compile(graph, example inputs, options, fallback) -> the compiled callable; `fallback`: a failure may be
+# compiled by plain Inductor (the first compile of a graph) instead of raising.
+CompileFn = Callable[[fx.GraphModule, Sequence[Any], DpcsOptions, bool], Callable]
+
+
+@dataclasses.dataclass
+class CompileEvent:
+    """One variant of one graph compiled (or failed to), for logs and telemetry."""
+
+    graph: str  # the dispatcher's name (its first record's graph name)
+    variant: str  # Decisions.key() of the decisions it was compiled for
+    decisions: str  # Decisions.describe()
+    seconds: float
+    plan_hashes: list[str]
+    feasible: bool | None  # the memory plan fits its budget (None: no budget)
+    predicted_peak_bytes: int | None
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class VariantControl:
+    """The decisions every bound graph compiles to, and a version that moves when they change.
+
+    `decisions` None means each graph's compile options as they are. `references` holds, per graph
+    (`graph_fingerprint`), the bytes a budget scale multiplies: the graph's compiled budget, or the peak its
+    plan predicted without one; it is part of a runtime's state, so a resumed run scales the same bytes.
+    """
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.decisions: Decisions | None = None
+        self.references: dict[str, int] = {}
+        self.events: list[CompileEvent] = []  # drained by the runtime's telemetry
+        self.dispatchers: weakref.WeakSet[GraphDispatcher] = weakref.WeakSet()
+
+    def set(self, decisions: Decisions | None) -> bool:
+        """Make `decisions` current; True if they changed (every bound graph switches at its next call)."""
+        if decisions == self.decisions:
+            return False
+        self.decisions = decisions
+        self.version += 1
+        return True
+
+
+class _Unbound(VariantControl):
+    """The control of graphs no Runtime drives: its version never moves."""
+
+    def set(self, decisions: Decisions | None) -> bool:
+        raise RuntimeError("graphs without a Runtime keep their compile options")
+
+
+UNBOUND = _Unbound()
+_dispatchers: weakref.WeakSet[GraphDispatcher] = weakref.WeakSet()
+# id(parameter) -> control of the Runtime that drives the model holding it.
+_controls_by_parameter: dict[int, weakref.ref[VariantControl]] = {}
+
+
+def register_parameters(control: VariantControl, parameters: Iterable[torch.Tensor]) -> list[GraphDispatcher]:
+    """Drive the graphs that take any of `parameters` by `control`: graphs compiled later bind when they
+    compile; those already compiled bind now. Returns the dispatchers bound now."""
+    ids = {id(p) for p in parameters}
+    for pid in ids:
+        _controls_by_parameter[pid] = weakref.ref(control)
+    bound = []
+    for dispatcher in list(_dispatchers):
+        if dispatcher.parameter_ids & ids:
+            dispatcher.bind(control)
+            bound.append(dispatcher)
+    return bound
+
+
+def unregister_parameters(control: VariantControl) -> None:
+    """Release the graphs `control` drives: they return to their compile options."""
+    for pid, ref in list(_controls_by_parameter.items()):
+        if ref() is control or ref() is None:
+            del _controls_by_parameter[pid]
+    for dispatcher in list(control.dispatchers):
+        dispatcher.bind(UNBOUND)
+
+
+def _control_for(parameter_ids: frozenset[int]) -> VariantControl:
+    for pid in parameter_ids:
+        ref = _controls_by_parameter.get(pid)
+        control = ref() if ref is not None else None
+        if control is not None:
+            return control
+    return UNBOUND
+
+
+def live_dispatchers() -> list[GraphDispatcher]:
+    return list(_dispatchers)
+
+
+def variant_options(base: DpcsOptions, decisions: Decisions | None, modules: frozenset[str], reference: int | None) -> DpcsOptions:
+    """The compile options of `decisions` for a graph compiled with `base` whose ops run in `modules`.
+
+    fp8 mode: fp8 linears (the base's fp8 settings, else the defaults) on the base's 16-bit dtype, else bf16.
+    Regions kept in fp32 that name no module of this graph are left out (they live in another graph). A
+    budget the runtime sets is planned with on_infeasible="best": the tightest plan, with a warning, rather
+    than an error in the middle of a training step.
+    """
+    if decisions is None:
+        return base
+    mode = decisions.precision
+    precision = mode if mode != "fp8" else (base.precision if base.precision != "fp32" else "bf16")
+    fp8 = (base.fp8 or Fp8Options()) if mode == "fp8" else None
+    regions = [r for r in decisions.fp32_regions if r in modules or any(m.startswith(r + ".") for m in modules)]
+    keep = tuple(dict.fromkeys([*base.keep_fp32, *(p for r in regions for p in (r, r + ".*"))]))
+    changes: dict[str, Any] = {"precision": precision, "fp8": fp8, "keep_fp32": keep}
+    if decisions.budget_bytes is not None:
+        changes.update(memory_budget=decisions.budget_bytes, on_infeasible="best")
+    elif decisions.budget_scale is not None:
+        if reference is None:
+            raise ValueError("a budget scale needs the graph's reference bytes")
+        changes.update(memory_budget=max(1, int(reference * decisions.budget_scale)), on_infeasible="best")
+    return dataclasses.replace(base, **changes)
+
+
+class GraphDispatcher:
+    """What the backend returns for one Dynamo graph: the current variant, switched by its control."""
+
+    def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], options: DpcsOptions, compile_fn: CompileFn) -> None:
+        from torch._guards import detect_fake_mode
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        self.options = options
+        self.compile_fn = compile_fn
+        # Kept to compile other variants: the graph as Dynamo made it, and fake inputs in Dynamo's fake mode
+        # (symbolic sizes and all; no real tensor is kept alive).
+        self.graph_module = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+        self.fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
+        self.fake_inputs = [
+            self.fake_mode.from_tensor(x, static_shapes=False) if isinstance(x, torch.Tensor) else x for x in example_inputs
+        ]
+        self.parameter_ids = frozenset(
+            [id(x) for x in example_inputs if isinstance(x, torch.nn.Parameter)] + [id(p) for p in gm.parameters()]
+        )
+        self.modules = frozenset(m for node in gm.graph.nodes for m in module_stack(node) if m)
+        self.fingerprint = graph_fingerprint(gm.code, example_inputs)
+        self.name = "graph"
+        self.variants: dict[str, Callable] = {}  # by options fingerprint
+        self.records: dict[str, list[CompileRecord]] = {}
+        self.compiles = 0
+        self.control: VariantControl = UNBOUND
+        self.bind(_control_for(self.parameter_ids))
+        # The first variant compiles now, inside Dynamo's compile (its tracing context current), from the
+        # inputs Dynamo gave, as a backend without runtimes would.
+        self.current_key = ""
+        self._fn = self._variant(self.control.decisions, example_inputs)
+        self._version = self.control.version
+        _dispatchers.add(self)
+
+    def bind(self, control: VariantControl) -> None:
+        self.control.dispatchers.discard(self)
+        self.control = control
+        control.dispatchers.add(self)
+        self._version = -1  # select at the next call (a known variant compiles nothing)
+
+    def __call__(self, *args: Any) -> Any:
+        if self._version != self.control.version:
+            self._select()
+        return self._fn(*args)
+
+    @property
+    def reference(self) -> int | None:
+        return self.control.references.get(self.fingerprint)
+
+    def _select(self) -> None:
+        version = self.control.version
+        try:
+            self._fn = self._variant(self.control.decisions, None)
+        except Exception as error:
+            if self.options.strict:
+                raise
+            warnings.warn(
+                f"dpcs could not compile {self.name} for the runtime's decisions "
+                f"({self.control.decisions.describe() if self.control.decisions else 'compile options'}): "
+                f"{type(error).__name__}: {error}; it keeps running its current variant",
+                stacklevel=3,
+            )
+        self._version = version
+
+    def _variant(self, decisions: Decisions | None, dynamo_inputs: Sequence[Any] | None) -> Callable:
+        """The variant of `decisions`, compiled if new: from `dynamo_inputs` inside Dynamo's compile, else from
+        the kept fake inputs in a tracing context of Dynamo's fake mode (between steps)."""
+        if decisions is not None and decisions.budget_scale is not None and decisions.budget_bytes is None and self.reference is None:
+            self._variant(None, dynamo_inputs)  # the unscaled plan gives the bytes the scale multiplies
+        options = variant_options(self.options, decisions, self.modules, self.reference)
+        key = options.fingerprint()
+        if key in self.variants:
+            self.current_key = key
+            return self.variants[key]
+        before = compile_records()
+        start = time.perf_counter()
+        error = None
+        graph = fx.GraphModule(self.graph_module, copy.deepcopy(self.graph_module.graph))
+        try:
+            if dynamo_inputs is not None:
+                fn = self.compile_fn(graph, list(dynamo_inputs), options, not self.variants)
+            else:
+                from torch._guards import TracingContext, tracing
+
+                with tracing(TracingContext(self.fake_mode)):
+                    fn = self.compile_fn(graph, list(self.fake_inputs), options, False)
+        except Exception as exc:
+            error = exc
+            raise
+        finally:
+            records = records_since(before)
+            self._note_compile(decisions, records, time.perf_counter() - start, error)
+        self.variants[key] = fn
+        self.records[key] = records
+        self.current_key = key
+        return fn
+
+    @property
+    def current_budget_bytes(self) -> int | None:
+        """The memory budget the current variant was planned with (None: no budget)."""
+        records = self.records.get(self.current_key) or []
+        return records[0].budget_bytes if records else None
+
+    def _note_compile(self, decisions: Decisions | None, records: list[CompileRecord], seconds: float, error: Exception | None) -> None:
+        self.compiles += 1
+        if records and self.name == "graph":
+            self.name = records[0].graph
+        main = records[0] if records else None
+        if main is not None and error is None and self.fingerprint not in self.control.references:
+            if decisions is None or (decisions.budget_scale is None and decisions.budget_bytes is None):
+                reference = main.budget_bytes or main.predicted_peak_bytes
+                if reference:
+                    self.control.references[self.fingerprint] = int(reference)
+        event = CompileEvent(
+            graph=self.name,
+            variant=decisions.key() if decisions else "compiled",
+            decisions=decisions.describe() if decisions else "compile options",
+            seconds=round(seconds, 4),
+            plan_hashes=[r.plan_hash for r in records if r.plan_hash],
+            feasible=main.plan_feasible if main else None,
+            predicted_peak_bytes=main.predicted_peak_bytes if main else None,
+            error=None if error is None else f"{type(error).__name__}: {error}",
+        )
+        self.control.events.append(event)
+        log.info("%s: compiled variant %s (%s) in %.2f s", event.graph, event.variant, event.decisions, seconds)
+
+
+def mode_of(options: DpcsOptions) -> str:
+    """The runtime's precision mode of compile options."""
+    return "fp8" if options.fp8 is not None else options.precision

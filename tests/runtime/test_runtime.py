@@ -1,0 +1,267 @@
+"""The Runtime end to end on CPU: signals seen, policies switching variants, overrides, OOM retry, state, telemetry."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from dpcs_compiler import MemoryPolicy, PrecisionPolicy, Runtime, RuntimeConfig
+from dpcs_compiler.runtime import default_regions, read_telemetry
+from dpcs_compiler.runtime import signals as signals_module
+from dpcs_compiler.runtime.decisions import Decisions
+from dpcs_testing import dpcs_compile
+
+
+class Blocks(torch.nn.Module):
+    """Two regions (blocks.0, blocks.1) and a head."""
+
+    def __init__(self, width=64):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU()) for _ in range(2)
+        )
+        self.head = torch.nn.Linear(width, 4)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def train(model, compiled, runtime, steps, *, x=None, poison=(), on_step=None):
+    """`steps` SGD steps; at the steps in `poison` a gradient of blocks.1 becomes inf and, as GradScaler
+    would, the optimizer skips the step."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(32, 64) if x is None else x
+    dtypes = []
+    for step in range(1, steps + 1):
+        optimizer.zero_grad(set_to_none=True)
+        out = compiled(x)
+        dtypes.append(out.dtype)
+        loss = out.float().square().mean()
+        loss.backward()
+        if step in poison:
+            model.blocks[1][0].weight.grad[0, 0] = float("inf")
+        else:
+            optimizer.step()
+        runtime.step(loss=loss, optimizer=optimizer)
+        if on_step:
+            on_step(step)
+    return dtypes
+
+
+def test_an_overflow_promotes_at_the_next_step_and_the_demotion_reuses_the_cached_variant():
+    model = Blocks()
+    compiled = dpcs_compile(model, precision="bf16")
+    policy = PrecisionPolicy(modes=("fp32", "bf16"), patience=4, cooldown=6, per_region=False)
+    runtime = Runtime(model, policies=[policy], signal_every=1)
+    dtypes = train(model, compiled, runtime, 20, poison={5})
+    [graph] = runtime.graphs
+    # step 5 overflowed: steps 6.. run fp32; 6 steps of cooldown (and 4 stable), then bf16 again from step 12
+    assert dtypes[:5] == [torch.bfloat16] * 5
+    assert dtypes[5:11] == [torch.float32] * 6
+    assert dtypes[11:] == [torch.bfloat16] * 9
+    assert graph.compiles == 2  # bf16 (compiled by Dynamo's call), fp32 once; back to bf16 compiles nothing
+    assert [e.decisions for e in runtime.compile_events] == ["compile options", "fp32"]
+
+
+def test_an_overflow_in_one_region_keeps_that_region_in_fp32():
+    model = Blocks()
+    compiled = dpcs_compile(model, precision="bf16")
+    runtime = Runtime(model, policies=[PrecisionPolicy(modes=("fp32", "bf16"))], signal_every=1)
+    train(model, compiled, runtime, 3, poison={2})
+    assert runtime.decisions == Decisions("bf16", ("blocks.1",))
+    [graph] = runtime.graphs
+    options = [k for k in graph.variants]
+    assert len(options) == 2
+    from dpcs_compiler.runtime.variants import variant_options
+
+    pinned = variant_options(graph.options, runtime.decisions, graph.modules, None)
+    assert pinned.keep_fp32 == ("blocks.1", "blocks.1.*")
+
+
+def test_signals_read_every_n_steps():
+    model = Blocks()
+    compiled = dpcs_compile(model)
+    seen = []
+    runtime = Runtime(model, policies=[], signal_every=4)
+    original = runtime._decide
+
+    def spy(signals):
+        seen.append(signals)
+        return original(signals)
+
+    runtime._decide = spy
+    train(model, compiled, runtime, 12)
+    assert [s.step for s in seen] == [4, 8, 12] and all(s.steps == 4 for s in seen)
+    assert all(s.grad_norm and s.grad_norm > 0 and s.loss and not s.overflow for s in seen)
+    assert seen[0].headroom is not None and 0 < seen[0].headroom <= 1 and seen[0].peak_bytes > 0
+
+
+def test_a_grad_scaler_backing_off_is_an_overflow():
+    model = Blocks()
+    compiled = dpcs_compile(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    policy = PrecisionPolicy(modes=("fp32", "bf16"), start="bf16", per_region=False)
+    runtime = Runtime(model, policies=[policy], signal_every=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(32, 64)
+    for step in range(1, 5):
+        optimizer.zero_grad(set_to_none=True)
+        loss = compiled(x).float().square().mean()
+        scaler.scale(loss).backward()
+        if step == 3:
+            model.head.weight.grad.fill_(float("nan"))
+        scaler.step(optimizer)
+        scaler.update()
+        runtime.step(loss=loss, optimizer=optimizer, scaler=scaler)
+        if step == 2:
+            assert runtime.decisions.precision == "bf16"
+    assert scaler.get_scale() < 2.0**8
+    assert runtime.decisions.precision == "fp32" and "overflow" in policy.reason
+
+
+def test_a_loss_spike_promotes():
+    model = Blocks()
+    compiled = dpcs_compile(model, precision="bf16")
+    policy = PrecisionPolicy(modes=("fp32", "bf16"), loss_z_limit=6.0, grad_z_limit=1e9)
+    runtime = Runtime(model, policies=[policy], signal_every=1)
+    runtime.collector.warmup = 5
+    x = torch.randn(32, 64)
+    train(model, compiled, runtime, 10, x=x)
+    assert runtime.decisions.precision == "bf16"
+    x_spike = x * 50  # the loss jumps by orders of magnitude
+    train(model, compiled, runtime, 1, x=x_spike)
+    assert runtime.decisions.precision == "fp32" and "loss spike" in policy.reason
+
+
+def test_low_headroom_tightens_the_budget_into_a_lower_peak_plan(monkeypatch):
+    model = Blocks(width=256)
+    compiled = dpcs_compile(model)
+    runtime = Runtime(model, policies=[MemoryPolicy(low_headroom=0.1, factor=0.9, cooldown=100)], signal_every=2)
+    headroom = {"value": 0.5}
+    monkeypatch.setattr(signals_module, "host_headroom", lambda device: (headroom["value"], 1 << 20))
+    x = torch.randn(512, 256)
+    train(model, compiled, runtime, 2, x=x)
+    assert runtime.decisions.budget_scale is None
+    headroom["value"] = 0.02
+    train(model, compiled, runtime, 3, x=x)
+    assert runtime.decisions.budget_scale == 0.9
+    [graph] = runtime.graphs
+    loose, tight = (graph.records[k][0] for k in graph.variants)
+    assert tight.budget_bytes == int(0.9 * loose.predicted_peak_bytes) and tight.plan_feasible
+    assert tight.predicted_peak_bytes <= tight.budget_bytes < loose.predicted_peak_bytes
+
+
+def test_run_step_retries_an_out_of_memory_step_with_a_tighter_budget():
+    model = Blocks(width=256)
+    compiled = dpcs_compile(model)
+    runtime = Runtime(model, policies=[MemoryPolicy(factor=0.8)])
+    x = torch.randn(512, 256)
+    attempts = []
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        attempts.append(runtime.decisions.budget_scale)
+        loss = compiled(x).square().mean()
+        if len(attempts) == 1:
+            raise torch.OutOfMemoryError("simulated: CUDA out of memory")
+        loss.backward()
+        return loss.item()
+
+    assert runtime.run_step(step) > 0
+    assert attempts == [None, 0.8]
+    runtime.config = RuntimeConfig(max_oom_retries=0)
+    attempts.clear()
+    with pytest.raises(torch.OutOfMemoryError):
+        runtime.run_step(step)
+
+
+def test_overrides_win_over_policies_until_cleared():
+    model = Blocks()
+    compiled = dpcs_compile(model)
+    runtime = Runtime(model, signal_every=1)
+    runtime.force_precision("bf16", regions=["head"])
+    runtime.force_budget("1MiB")
+    assert runtime.decisions == Decisions("bf16", ("head",), None, 2**20)
+    train(model, compiled, runtime, 2)
+    assert runtime.decisions.precision == "bf16"
+    runtime.clear_overrides()
+    assert runtime.decisions == Decisions("fp32")
+    with pytest.raises(ValueError, match="'int4'.*valid choices"):
+        runtime.force_precision("int4")
+    with pytest.raises(ValueError, match=r"\['nope'\] are not regions.*blocks\.0"):
+        runtime.force_precision("bf16", regions=["nope"])
+    with pytest.raises(ValueError, match="force_budget"):
+        runtime.force_budget(0.5)
+
+
+def test_state_round_trip_compiles_the_same_variant_first_and_decides_the_same():
+    def run(model, steps, state=None, path=None):
+        torch._dynamo.reset()
+        compiled = dpcs_compile(model, precision="bf16")
+        policy = PrecisionPolicy(modes=("fp32", "bf16"), patience=3, cooldown=4, per_region=False)
+        runtime = Runtime(model, policies=[policy, MemoryPolicy()], signal_every=1, telemetry=path, telemetry_every=1)
+        if state is not None:
+            runtime.load_state_dict(state)
+        torch.manual_seed(1)
+        first = runtime.step_count
+        train(model, compiled, runtime, steps, x=torch.randn(32, 64), poison={p - first for p in (4, 14) if p > first})
+        runtime.compiles = [g.compiles for g in runtime.graphs]
+        runtime.close()
+        return runtime
+
+    torch.manual_seed(0)
+    model = Blocks()
+    start = copy.deepcopy(model.state_dict())
+    whole = run(model, 8)
+    model.load_state_dict(start)
+    half = run(model, 5)
+    state = json.loads(json.dumps(half.state_dict()))  # plain JSON
+    assert state["decisions"]["precision"] == "fp32"  # the overflow at step 4 promoted
+    resumed = run(model, 3, state)
+    assert resumed.compile_events[0].decisions == "fp32" and resumed.compiles == [1]  # the restored variant first
+    assert resumed.step_count == whole.step_count == 8
+    assert resumed.decisions == whole.decisions
+    assert resumed.policies[0].state_dict() == whole.policies[0].state_dict()
+    with pytest.raises(ValueError, match="policies"):
+        Runtime(model, policies=[]).load_state_dict(state)
+
+
+def test_telemetry_lines_carry_step_signals_decisions_and_compiles(tmp_path):
+    model = Blocks()
+    compiled = dpcs_compile(model, precision="bf16")
+    path = tmp_path / "telemetry.jsonl"
+    policy = PrecisionPolicy(modes=("fp32", "bf16"), per_region=False)
+    with Runtime(model, policies=[policy], telemetry=path, signal_every=2, telemetry_every=4) as runtime:
+        train(model, compiled, runtime, 3, poison={2})
+        written = read_telemetry(path)
+        assert written == []  # buffered: fewer than 4 steps since the first entry
+        train(model, compiled, runtime, 4)
+    entries = read_telemetry(path)
+    signal_steps = [e["step"] for e in entries if e["kind"] == "signals"]
+    assert signal_steps == [2, 4, 6]
+    promoted = next(e for e in entries if e["kind"] == "signals" and e["changed"])
+    assert promoted["decisions"]["precision"] == "fp32" and promoted["signals"]["overflow"]
+    assert any("promoted" in r for r in promoted["reasons"])
+    compiles = [c for e in entries if e["kind"] == "compiles" for c in e["compiles"]]
+    assert [c["decisions"] for c in compiles] == ["compile options", "fp32"]
+    assert all(c["seconds"] > 0 and c["plan_hashes"] for c in compiles)
+
+
+def test_config_and_inputs_are_validated():
+    with pytest.raises(ValueError, match=r"RuntimeConfig\.signal_every=0"):
+        RuntimeConfig(signal_every=0)
+    with pytest.raises(ValueError, match="torch.nn.Module"):
+        Runtime("model")
+    with pytest.raises(ValueError, match="not both"):
+        Runtime(Blocks(), config=RuntimeConfig(), signal_every=3)
+    with pytest.raises(ValueError, match="Policy instances"):
+        Runtime(Blocks(), policies=["precision"])
+
+
+def test_default_regions_are_the_blocks_and_the_other_children():
+    assert list(default_regions(Blocks())) == ["blocks.0", "blocks.1", "head"]
