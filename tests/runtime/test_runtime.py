@@ -13,22 +13,7 @@ from dpcs_compiler.runtime import default_regions, read_telemetry
 from dpcs_compiler.runtime import signals as signals_module
 from dpcs_compiler.runtime.decisions import Decisions
 from dpcs_testing import dpcs_compile
-
-
-class Blocks(torch.nn.Module):
-    """Two regions (blocks.0, blocks.1) and a head."""
-
-    def __init__(self, width=64):
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(
-            torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU()) for _ in range(2)
-        )
-        self.head = torch.nn.Linear(width, 4)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = x + block(x)
-        return self.head(x)
+from runtime_scenarios import Blocks
 
 
 def train(model, compiled, runtime, steps, *, x=None, poison=(), on_step=None):

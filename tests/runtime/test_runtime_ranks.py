@@ -1,0 +1,77 @@
+"""The Runtime in a 2-rank gloo job (`runtime_rank_worker.py`): signals combined over the ranks, decisions
+taken on rank 0, every rank switching at the same step to the same plans; DDP gradients through switches
+equal to a single process's."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from dpcs_compiler import Runtime
+from runtime_scenarios import SWITCHES, Blocks, apply_switch, global_batch
+
+WORKER = Path(__file__).resolve().parent / "runtime_rank_worker.py"
+RANK_TIMEOUT_S = 240  # a rank that waits longer is hung: the test fails instead of hanging
+
+
+def run_ranks(tmp_path: Path, scenario: str) -> list[dict]:
+    store = tmp_path / "store"
+    processes, results = [], []
+    for rank in range(2):
+        result = tmp_path / f"result{rank}.pt"
+        env = os.environ | {"OMP_NUM_THREADS": "1"}
+        command = [sys.executable, str(WORKER), str(rank), "2", str(store), scenario, str(result)]
+        processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        results.append(result)
+    try:
+        outputs = [p.communicate(timeout=RANK_TIMEOUT_S) for p in processes]
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"a rank did not finish within {RANK_TIMEOUT_S} s (hung in a collective?)")
+    finally:
+        for p in processes:
+            p.kill()
+    for p, (_, err) in zip(processes, outputs):
+        assert p.returncode == 0, err
+    return [torch.load(r) for r in results]
+
+
+def test_an_overflow_on_rank_one_only_promotes_both_ranks_at_the_same_step(tmp_path):
+    zero, one = run_ranks(tmp_path, "overflow")
+    assert zero["steps"] == one["steps"]  # same decisions, same dtypes, every step
+    precisions = [s["precision"] for s in zero["steps"]]
+    assert precisions[:2] == ["bf16", "bf16"] and precisions[2] == "fp32"  # rank 1's overflow at step 3
+    assert [s["dtype"] for s in zero["steps"]][3] == "torch.float32"  # step 4 runs the promoted variant
+    assert zero["compiles"] == one["compiles"] == [2]
+    assert zero["plan_hashes"] == one["plan_hashes"]
+
+
+def test_ddp_gradients_through_a_switch_sequence_match_a_single_process(tmp_path):
+    zero, one = run_ranks(tmp_path, "ddp")
+    assert zero["plan_hashes"] == one["plan_hashes"] and len(zero["plan_hashes"]) == 4  # fp32/bf16 x loose/tight
+    assert zero["recomputed"] == one["recomputed"] and zero["recomputed"][2] > 0  # the tight plans recompute
+    torch.manual_seed(0)
+    model = Blocks(width=128)
+    compiled = torch.compile(model, backend="dpcs", options={"compiler": "eager", "strict": True})
+    runtime = Runtime(model, policies=[])
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    x = global_batch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step, switch in enumerate(SWITCHES):
+            apply_switch(runtime, switch)
+            optimizer.zero_grad(set_to_none=True)
+            compiled(x).float().square().mean().backward()
+            tolerance = {"atol": 2e-2, "rtol": 2e-2} if switch[0] == "bf16" else {"atol": 1e-5, "rtol": 1e-4}
+            for rank_grads in (zero["grads"][step], one["grads"][step]):
+                for got, expected in zip(rank_grads, (p.grad for p in model.parameters())):
+                    torch.testing.assert_close(got, expected, **tolerance, msg=lambda m: f"step {step} {switch}: {m}")
+            optimizer.step()
+            runtime.step()
+    for a, b in zip(zero["grads"][-1], one["grads"][-1]):
+        assert torch.equal(a, b)  # DDP: identical on both ranks
