@@ -5,6 +5,7 @@
     dpcs bench [ARGS ...]                         benchmark dpcs against eager/torch.compile (benchmarks/bench.py)
     dpcs hardware [--device D] [--profile P] [--refresh] [--json]
                                                   the hardware profile plans are costed with, and where it came from
+    dpcs plot TELEMETRY.jsonl [-o OUT.png]        draw a Runtime's telemetry: precision, budget, peak, headroom
 """
 
 from __future__ import annotations
@@ -130,6 +131,19 @@ summary.json. Without this command, set DPCS_DUMP_DIR (or the backend option dum
     hardware.add_argument("--json", action="store_true",
                           help="print the profile as JSON (a profile file); where it came from goes to stderr")
     hardware.set_defaults(run=_hardware_command, command_parser=hardware)
+
+    plot = commands.add_parser(
+        "plot",
+        help="draw a Runtime's telemetry file",
+        description=(
+            "Draw the telemetry a dpcs Runtime wrote (Runtime(..., telemetry=PATH)): the precision mode, the "
+            "memory budget, the measured peak and the memory headroom over the steps, with every variant "
+            "compile (and its time) and every decision change marked."
+        ),
+    )
+    plot.add_argument("telemetry", metavar="TELEMETRY.jsonl", type=Path, help="the runtime's telemetry file")
+    plot.add_argument("-o", "--out", type=Path, default=None, help="PNG to write (default: TELEMETRY.png beside it)")
+    plot.set_defaults(run=_plot_command, command_parser=plot)
     return parser
 
 
@@ -244,6 +258,25 @@ def _hardware_command(args: argparse.Namespace, parser: argparse.ArgumentParser,
         err.print(f"{resolved.profile.device_key}: {resolved.describe()}", markup=False, highlight=False, soft_wrap=True)
         return 0
     out.print(hardware_table(resolved))
+    return 0
+
+
+def _plot_command(args: argparse.Namespace, parser: argparse.ArgumentParser, out: Console, err: Console) -> int:
+    from dpcs_compiler.debug.telemetry_plot import plot_telemetry
+    from dpcs_compiler.runtime.telemetry import read_telemetry
+
+    if not args.telemetry.is_file():
+        err.print(f"dpcs plot: error: no telemetry file at {str(args.telemetry)!r}", markup=False, highlight=False)
+        return EXIT_USAGE
+    entries = read_telemetry(args.telemetry)
+    try:
+        path = plot_telemetry(entries, args.out or args.telemetry.with_suffix(".png"), title=f"dpcs runtime: {args.telemetry.name}")
+    except ValueError as error:
+        err.print(f"dpcs plot: error: {error} ({args.telemetry})", markup=False, highlight=False)
+        return EXIT_USAGE
+    compiles = sum(len(e["compiles"]) for e in entries if e.get("kind") == "compiles")
+    reads = sum(e.get("kind") == "signals" for e in entries)
+    out.print(f"wrote {path}: {reads} signal reads, {compiles} variant compiles", markup=False, highlight=False)
     return 0
 
 

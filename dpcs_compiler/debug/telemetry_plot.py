@@ -1,0 +1,87 @@
+"""Draw a runtime's telemetry (`runtime/telemetry.py`): precision mode, memory budget, measured peak and
+headroom over the steps, with each variant compile marked and each policy change named.
+
+    dpcs plot TELEMETRY.jsonl -o out.png
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from dpcs_compiler.runtime.decisions import MODE_RANK, PRECISION_MODES
+
+
+def telemetry_series(entries: Sequence[dict[str, Any]]) -> dict[str, list]:
+    """The plotted series: per signal read (step, mode, budget, peak, headroom), and the compile and switch
+    events (step, label)."""
+    series: dict[str, list] = {"step": [], "mode": [], "budget": [], "peak": [], "headroom": [], "compiles": [], "switches": []}
+    for entry in entries:
+        step = entry["step"]
+        if entry.get("kind") == "compiles":
+            for event in entry["compiles"]:
+                label = f"{event['decisions']} ({event['seconds']:.2f} s)" + (" FAILED" if event.get("error") else "")
+                series["compiles"].append((step, label))
+            continue
+        if entry.get("kind") != "signals":
+            continue
+        signals = entry.get("signals", {})
+        decisions = entry.get("decisions", {})
+        series["step"].append(step)
+        series["mode"].append(decisions.get("precision"))
+        series["budget"].append(entry.get("budget_bytes"))
+        series["peak"].append(signals.get("peak_bytes"))
+        series["headroom"].append(signals.get("headroom"))
+        if entry.get("changed") or entry.get("held"):
+            series["switches"].append((step, "; ".join(entry.get("reasons") or []) or entry.get("held") or ""))
+    return series
+
+
+def plot_telemetry(entries: Sequence[dict[str, Any]], out: str | Path, title: str | None = None) -> Path:
+    """Write the telemetry plot to `out` (PNG); returns its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = telemetry_series(entries)
+    if not series["step"] and not series["compiles"]:
+        raise ValueError("the telemetry has no signal reads or compile events to plot")
+    steps = series["step"]
+    fig, (ax_mode, ax_mem, ax_head) = plt.subplots(3, 1, sharex=True, figsize=(11, 8))
+    ranks = [MODE_RANK.get(m, 0) + (0.1 if m == "fp16" else 0) for m in series["mode"]]
+    ax_mode.step(steps, ranks, where="post", color="tab:blue")
+    modes = [m for m in PRECISION_MODES if m in set(series["mode"])] or list(PRECISION_MODES)
+    ax_mode.set_yticks([MODE_RANK[m] + (0.1 if m == "fp16" else 0) for m in modes], modes)
+    ax_mode.set_ylabel("precision")
+    mib = 2**20
+    budget = [None if b is None else b / mib for b in series["budget"]]
+    peak = [None if p is None else p / mib for p in series["peak"]]
+    if any(b is not None for b in budget):
+        ax_mem.step(steps, [b if b is not None else float("nan") for b in budget], where="post", label="budget", color="tab:red")
+    ax_mem.plot(steps, [p if p is not None else float("nan") for p in peak], ".-", label="measured peak (CUDA: allocator, CPU: process RSS)",
+                color="tab:green")
+    ax_mem.set_ylabel("MiB")
+    ax_mem.legend(loc="upper right")
+    ax_head.plot(steps, [h if h is not None else float("nan") for h in series["headroom"]], ".-", color="tab:purple")
+    ax_head.set_ylabel("headroom")
+    ax_head.set_xlabel("step")
+    for ax in (ax_mode, ax_mem, ax_head):
+        for step, _ in series["compiles"]:
+            ax.axvline(step, color="tab:orange", linestyle="--", linewidth=1)
+        for step, _ in series["switches"]:
+            ax.axvline(step, color="tab:gray", linestyle=":", linewidth=1)
+    for i, (step, label) in enumerate(series["compiles"]):
+        ax_mode.annotate(f"compile: {label}", (step, 0), xycoords=("data", "axes fraction"), xytext=(3, 6 + 10 * (i % 4)),
+                         textcoords="offset points", fontsize=7, color="tab:orange")
+    for i, (step, label) in enumerate(series["switches"]):
+        ax_head.annotate(label[:80], (step, 0), xycoords=("data", "axes fraction"), xytext=(3, 6 + 10 * (i % 4)),
+                         textcoords="offset points", fontsize=7, color="tab:gray")
+    ax_mode.set_title(title or "dpcs runtime: decisions over steps (orange: variant compiled; gray: decision changed)")
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
