@@ -4,6 +4,7 @@
     ...; optimizer.step(); rt.step(loss=loss, optimizer=optimizer, scaler=scaler)
 """
 
+from dpcs_compiler.runtime.curvature import CurvatureProbe
 from dpcs_compiler.runtime.decisions import PRECISION_MODES, Decisions
 from dpcs_compiler.runtime.policies import (
     MemoryPolicy,
@@ -18,6 +19,7 @@ from dpcs_compiler.runtime.telemetry import Telemetry, read_telemetry
 
 __all__ = [
     "PRECISION_MODES",
+    "CurvatureProbe",
     "Decisions",
     "MemoryPolicy",
     "MemoryPolicyConfig",

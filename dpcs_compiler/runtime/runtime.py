@@ -29,6 +29,7 @@ import torch
 
 from dpcs_compiler import rank_agreement
 from dpcs_compiler.options import parse_memory_budget
+from dpcs_compiler.runtime.curvature import CurvatureProbe
 from dpcs_compiler.runtime.decisions import Decisions, check_mode
 from dpcs_compiler.runtime.distributed import decide_on_rank_zero, reduce_signals
 from dpcs_compiler.runtime.policies import MemoryPolicy, Policy, PrecisionPolicy, Signals
@@ -70,14 +71,21 @@ class RuntimeConfig:
 
 
 def default_regions(model: torch.nn.Module) -> dict[str, list[torch.nn.Parameter]]:
-    """The model's regions: the children of its containers (ModuleList, Sequential, ModuleDict: `blocks.0`),
-    found depth first, and every other child of the root as itself; each with its parameters."""
+    """The model's regions: the children of its containers (ModuleList, Sequential, ModuleDict: `blocks.0`)
+    and every other child of the root as itself, each with its parameters; named as the compiled model's
+    graphs name them (through a DDP wrapper: `module.blocks.0`)."""
     regions: dict[str, list[torch.nn.Parameter]] = {}
+    wrappers = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
 
     def visit(prefix: str, module: torch.nn.Module) -> None:
+        if isinstance(module, wrappers):  # DDP(model): its modules are named "module.<name>" in the graph
+            visit(f"{prefix}module.", module.module)
+            return
         for name, child in module.named_children():
             full = f"{prefix}{name}"
-            if isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)):
+            if isinstance(child, wrappers):
+                visit(f"{full}.", child)
+            elif isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)):
                 for sub_name, sub in child.named_children():
                     if any(True for _ in sub.parameters()):
                         regions[f"{full}.{sub_name}"] = list(sub.parameters())
@@ -106,6 +114,7 @@ class Runtime:
         telemetry: str | Path | Telemetry | None = None,
         *,
         regions: Mapping[str, Iterable[torch.nn.Parameter]] | None = None,
+        curvature: CurvatureProbe | None = None,
         config: RuntimeConfig | None = None,
         **config_fields: Any,
     ) -> None:
@@ -123,6 +132,10 @@ class Runtime:
         if isinstance(telemetry, (str, Path)):
             telemetry = Telemetry(telemetry, every=self.config.telemetry_every)
         self.telemetry = telemetry
+        if curvature is not None and not isinstance(curvature, CurvatureProbe):
+            raise ValueError(f"Runtime curvature={curvature!r} is not valid; valid choices: None or a CurvatureProbe")
+        self.curvature = curvature
+        self._curvature: tuple[float, float | None] | None = None  # the last probe since the last read
         self.control = VariantControl()
         register_parameters(self.control, self.parameters)
         self.collector = SignalCollector(
@@ -169,14 +182,20 @@ class Runtime:
         del optimizer  # accepted for the loop's symmetry; the gradients are read from the parameters
         self.step_count += 1
         self.collector.collect(loss=loss, scaler=scaler)
+        if self.curvature is not None and self.curvature.due(self.step_count):
+            value, ratio = self.curvature.probe(self.step_count)
+            ratios = [r for r in (ratio, self._curvature[1] if self._curvature else None) if r is not None]
+            self._curvature = (value, max(ratios) if ratios else None)  # the largest ratio since the last read
         changed = None
         if self.step_count % self.config.signal_every == 0:
             self.collector.launch_read()
             self._launched_at = self.step_count
         if self._launched_at is not None and self.step_count >= self._launched_at + self.collector.lag:
             self._launched_at = None
-            vector = reduce_signals(self.collector.take_read(oom=self._oom), reduce_rule(len(self.collector.region_names)))
-            self._oom = False
+            value, ratio = self._curvature or (None, None)
+            vector = self.collector.take_read(oom=self._oom, curvature=value, curvature_ratio=ratio)
+            vector = reduce_signals(vector, reduce_rule(len(self.collector.region_names)))
+            self._oom, self._curvature = False, None
             changed = self._decide(self.collector.snapshot_from(vector, self.step_count))
         self._record_compiles()
         return changed
@@ -220,6 +239,8 @@ class Runtime:
                 "step": self.step_count, "kind": "signals", "signals": signals.to_json(), "decisions": self.decisions.to_json(),
                 "variant": self.decisions.key(), "changed": changed is not None, "reasons": reasons, "held": held,
                 "budget_bytes": self._budget_bytes(),
+                **({"curvature_seconds": round(self.curvature.seconds, 4), "curvature_probes": self.curvature.probes}
+                   if self.curvature is not None else {}),
             })
         return changed
 
@@ -325,6 +346,7 @@ class Runtime:
             "seen": sorted(self.seen),
             "compile_steps": list(self.compile_steps),
             "signals": self.collector.state_dict(),
+            "curvature": None if self.curvature is None else self.curvature.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -344,6 +366,8 @@ class Runtime:
         self.seen = set(state["seen"])
         self.compile_steps = list(state["compile_steps"])
         self.collector.load_state_dict(state["signals"])
+        if self.curvature is not None and state.get("curvature") is not None:
+            self.curvature.load_state_dict(state["curvature"])
         decisions = state["decisions"]
         self.control.set(None if decisions is None else Decisions.from_json(decisions))
 

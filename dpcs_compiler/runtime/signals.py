@@ -1,20 +1,19 @@
-"""Signals, collected cheaply: device values accumulate on the device every step and are read every N steps.
+"""Signals, collected cheaply: each step writes a few values into a ring buffer on the device; every N steps
+the buffer is read in one copy and the statistics are computed on the host.
 
-Per step (`SignalCollector.collect`), device ops only, no host sync:
-- gradient norms per region: one `_foreach_norm` over the gradients per device, squared and summed per
-  region with one `index_add_`; a region whose sum is not finite overflowed;
-- running mean and variance (EMAs) of the global gradient norm and of the loss, and the largest deviation
-  from them over the interval in running standard deviations, at least 5% of the mean (a spike), after a
-  warm-up;
-- AMP overflow: GradScaler's scale dropped since the last step (it backs off on inf/NaN), the dpcs overflow
-  flag of the compiled backward (`ops/overflow.py`, read and reset), or a non-finite gradient norm.
+Per step (`SignalCollector.collect`), about six device ops and no host sync:
+- gradient norms: one `_foreach_norm` over the gradients (per device), squared and summed per region by one
+  `index_add_` into the step's row of the ring (a region with a non-finite sum overflowed);
+- the loss, GradScaler's scale (it backs off on inf/NaN: a drop is an overflow) and the dpcs overflow flag
+  of the compiled backward (`ops/overflow.py`, read and reset), each copied into the step's row.
 
-Every `every` steps the accumulators are stacked into one small tensor and copied to the host: on an
-accelerator without blocking (pinned buffer and an event, read at the next step: the decision lags one
-step), on the CPU at once. Memory headroom is read on the host at the same time: CUDA `mem_get_info` and
-the allocator's peak since the last read (`torch.cuda.reset_peak_memory_stats` is called per read); CPU the
-memory the system can still give (MemAvailable, within the cgroup limit) against its total, and the
-process's peak RSS.
+Every `every` steps the ring is copied to the host: on an accelerator without blocking (pinned buffer and
+an event, read at the next step: the decision lags one step), on the CPU at once. The host then runs the
+running statistics (`Moments`: EMAs of the global gradient norm and of the loss, and the largest deviation
+from them in running standard deviations, a spike) over the interval's steps, in order. Memory headroom is
+read on the host at the same time: CUDA `mem_get_info` and the allocator's peak since the last read
+(`torch.cuda.reset_peak_memory_stats` is called per read); CPU the memory the system can still give
+(MemAvailable, within the cgroup limit) against its total, and the process's peak RSS.
 """
 
 from __future__ import annotations
@@ -29,17 +28,19 @@ from typing import Any
 
 import torch
 
-from dpcs_compiler.ops.overflow import take_overflow
+from dpcs_compiler.ops.overflow import overflow_flag, reset_overflow
 from dpcs_compiler.runtime.policies import Signals
 
 # Deviations are measured in running standard deviations, never smaller than this fraction of the mean.
 RELATIVE_SPREAD = 0.05
 
 # Fields of a read's vector after the per-region overflow flags (one more slot: parameters in no region), and
-# how ranks combine each (`reduce_rule`). The last three are the host's; -1 stands for "not known".
-FIELDS = ("overflow", "grad_norm", "grad_norm_z", "loss", "loss_z", "steps", "headroom", "peak_bytes", "oom")
+# how ranks combine each (`reduce_rule`). The last five are the host's; -1 stands for "not known".
+FIELDS = ("overflow", "grad_norm", "grad_norm_z", "loss", "loss_z", "steps", "headroom", "peak_bytes", "oom",
+          "curvature", "curvature_ratio")
 _RULES = {"overflow": "max", "grad_norm": "mean", "grad_norm_z": "max", "loss": "mean", "loss_z": "max",
-          "steps": "max", "headroom": "min", "peak_bytes": "max", "oom": "max"}
+          "steps": "max", "headroom": "min", "peak_bytes": "max", "oom": "max", "curvature": "mean",
+          "curvature_ratio": "max"}
 
 
 def reduce_rule(regions: int) -> list[str]:
@@ -83,45 +84,45 @@ def _cpu_available_memory() -> tuple[int, int]:
 
 
 @dataclasses.dataclass
-class _Moments:
-    """Running mean and mean square of a scalar on the device, and the largest deviation over the interval."""
+class Moments:
+    """Running mean and mean square of a scalar (EMAs, host floats), and the largest deviation of a value from
+    them, in running standard deviations, since `reset_max`."""
 
-    mean: torch.Tensor
-    square: torch.Tensor
-    max_z: torch.Tensor
-    last: torch.Tensor
+    decay: float
+    warmup: int
+    mean: float = 0.0
+    square: float = 0.0
+    count: int = 0
+    max_z: float = 0.0
+    last: float | None = None
 
-    @classmethod
-    def zeros(cls, device: torch.device) -> _Moments:
-        return cls(*(torch.zeros((), dtype=torch.float32, device=device) for _ in range(4)))
+    def update(self, value: float) -> None:
+        """Fold one value in; a non-finite one is skipped (it is an overflow, not a statistic)."""
+        self.last = value
+        if not math.isfinite(value):
+            return
+        if self.count >= self.warmup:
+            # The spread never counts as less than RELATIVE_SPREAD of the mean: a slow trend (a loss that
+            # falls steadily) has a tiny variance and would otherwise read as a spike at every step.
+            spread = max(math.sqrt(max(self.square - self.mean**2, 0.0)), RELATIVE_SPREAD * abs(self.mean), 1e-12)
+            self.max_z = max(self.max_z, abs(value - self.mean) / spread)
+        weight = 1.0 if self.count == 0 else 1.0 - self.decay  # the first value sets the averages
+        self.mean += weight * (value - self.mean)
+        self.square += weight * (value * value - self.square)
+        self.count += 1
 
-    def update(self, value: torch.Tensor, count: torch.Tensor, decay: float, warmup: int) -> None:
-        """Fold one value in (non-finite values are skipped); device ops only."""
-        value = value.detach().float()
-        finite = torch.isfinite(value)
-        # The spread never counts as less than RELATIVE_SPREAD of the mean: a slow trend (a loss that falls
-        # steadily) has a tiny variance and would otherwise read as a spike at every step.
-        std = torch.maximum((self.square - self.mean * self.mean).clamp_min(0).sqrt(), RELATIVE_SPREAD * self.mean.abs())
-        std = std.clamp_min(1e-12)
-        z = torch.where(finite & (count >= warmup), (value - self.mean).abs() / std, torch.zeros_like(value))
-        torch.maximum(self.max_z, z, out=self.max_z)
-        # The first value sets the averages; later ones decay into them.
-        weight = torch.where(count == 0, torch.ones_like(value), torch.full_like(value, 1 - decay))
-        safe = torch.where(finite, value, self.mean)
-        self.mean.add_(weight * (safe - self.mean))
-        self.square.add_(weight * (safe * safe - self.square))
-        self.last.copy_(value)
+    def reset_max(self) -> None:
+        self.max_z = 0.0
 
     def state(self) -> list[float]:
-        return [float(t) for t in (self.mean, self.square)]
+        return [self.mean, self.square, self.count]
 
     def load(self, values: Sequence[float]) -> None:
-        self.mean.fill_(values[0])
-        self.square.fill_(values[1])
+        self.mean, self.square, self.count = float(values[0]), float(values[1]), int(values[2])
 
 
 class SignalCollector:
-    """Accumulates a model's signals on its device and hands the runtime one `Signals` snapshot per read.
+    """Collects a model's signals on its device and hands the runtime one vector per read (`FIELDS`).
 
     regions: region name -> its parameters (a parameter in no region counts in the global norm only).
     every: steps per read. decay: EMA decay of the running statistics. warmup: steps before deviations count.
@@ -143,129 +144,147 @@ class SignalCollector:
         region_of = {id(p): i for i, params in enumerate(regions.values()) for p in params}
         # Parameters in no region sum into an extra slot past the named ones.
         self.slot = {id(p): region_of.get(id(p), len(self.region_names)) for p in self.parameters}
-        self.every, self.decay, self.warmup = every, decay, warmup
+        self.every = every
+        self.grad = Moments(decay, warmup)
+        self.loss = Moments(decay, warmup)
         self.watch_overflow_flag = watch_overflow_flag
-        self._index_cache: tuple[tuple[int, ...], torch.Tensor] | None = None
-        self.count = torch.zeros((), dtype=torch.int64, device=self.device)
-        self.grad = _Moments.zeros(self.device)
-        self.loss = _Moments.zeros(self.device)
-        self._previous_scale: torch.Tensor | None = None
-        self._reset_interval()
-        self._pending: tuple[torch.Tensor, Any, float | None, int | None] | None = None
+        self._region_index_cache: tuple[tuple[int, ...], torch.Tensor] | None = None
+        # One row per step of the interval: the per-region sums of squared gradient norms, then the loss,
+        # GradScaler's scale and the overflow flag.
+        self.width = len(self.region_names) + 1
+        self.ring = torch.zeros(every, self.width + 3, dtype=torch.float32, device=self.device)
+        self.rows: list[dict[str, bool]] = []  # per written row: which values it holds (host bookkeeping)
+        self.previous_scale: float | None = None
+        self._pending: tuple[torch.Tensor, Any, list[dict[str, bool]], float | None, int | None] | None = None
         self.collect_seconds = 0.0  # host time spent in collect(), for the overhead figure
 
-    def _reset_interval(self) -> None:
-        zeros = lambda *shape: torch.zeros(shape, dtype=torch.float32, device=self.device)  # noqa: E731
-        self.overflow = zeros()
-        self.region_overflow = zeros(len(self.region_names) + 1)
-        self.steps_in_interval = zeros()
-        self.grad.max_z.zero_()
-        self.loss.max_z.zero_()
-
-    def _region_index(self, grads_ids: tuple[int, ...]) -> torch.Tensor:
-        if self._index_cache is None or self._index_cache[0] != grads_ids:
-            index = torch.tensor([self.slot[i] for i in grads_ids], dtype=torch.int64, device=self.device)
-            self._index_cache = (grads_ids, index)
-        return self._index_cache[1]
+    def _region_index(self, ids: tuple[int, ...]) -> torch.Tensor:
+        """The region slot of each gradient, for `index_add_` (a matmul with a 0/1 matrix would spread an inf
+        to every region as 0 * inf = NaN)."""
+        if self._region_index_cache is None or self._region_index_cache[0] != ids:
+            index = torch.tensor([self.slot[i] for i in ids], dtype=torch.int64, device=self.device)
+            self._region_index_cache = (ids, index)
+        return self._region_index_cache[1]
 
     def collect(self, *, loss: torch.Tensor | None, scaler: Any | None) -> None:
-        """Fold one step's values in; device ops only."""
+        """Write one step's values into the ring; device ops only."""
         start = time.perf_counter()
+        if len(self.rows) >= self.every:
+            raise RuntimeError("SignalCollector: the ring is full; launch_read() every `every` steps")
+        row = self.ring[len(self.rows)]
+        written = {"grads": False, "loss": False, "scale": False, "flag": False}
         with torch.no_grad():
             params = [p for p in self.parameters if p.grad is not None]
             if params:
-                by_device: dict[torch.device, list[torch.nn.Parameter]] = {}
-                for p in params:
-                    by_device.setdefault(p.grad.device, []).append(p)
-                norms = [
-                    n.to(self.device, torch.float32)
-                    for group in by_device.values()
-                    for n in torch._foreach_norm([p.grad for p in group])
-                ]
-                ordered = [p for group in by_device.values() for p in group]
+                devices = {p.grad.device for p in params}
+                if len(devices) > 1:  # keep the per-device order the norms come in
+                    params = [p for d in devices for p in params if p.grad.device == d]
+                norms = [n for d in devices for n in torch._foreach_norm([p.grad for p in params if p.grad.device == d])]
+                if len(devices) > 1 or any(n.dtype != torch.float32 for n in norms):
+                    norms = [n.to(self.device, torch.float32) for n in norms]
                 squares = torch.stack(norms).square()
-                per_region = torch.zeros(len(self.region_names) + 1, dtype=torch.float32, device=self.device)
-                per_region.index_add_(0, self._region_index(tuple(id(p) for p in ordered)), squares)
-                self.region_overflow.logical_or_(~torch.isfinite(per_region))
-                total = per_region.sum().sqrt()
-                self.overflow.logical_or_(~torch.isfinite(total))
-                self.grad.update(total, self.count, self.decay, self.warmup)
+                sums = row[: self.width]
+                sums.zero_()
+                sums.index_add_(0, self._region_index(tuple(id(p) for p in params)), squares)
+                written["grads"] = True
             if loss is not None:
-                self.loss.update(loss.detach().reshape(()), self.count, self.decay, self.warmup)
+                row[self.width].copy_(loss.detach().reshape(()))
+                written["loss"] = True
             if scaler is not None and getattr(scaler, "is_enabled", lambda: False)() and getattr(scaler, "_scale", None) is not None:
-                scale = scaler._scale
-                if self._previous_scale is not None and self._previous_scale.device == scale.device:
-                    self.overflow.logical_or_((scale < self._previous_scale).to(self.device))
-                self._previous_scale = scale.detach().clone()
+                row[self.width + 1].copy_(scaler._scale.reshape(()))
+                written["scale"] = True
             if self.watch_overflow_flag():
-                self.overflow.logical_or_(take_overflow(self.device).to(self.device))
-            self.count.add_(1)
-            self.steps_in_interval.add_(1)
+                flag = overflow_flag(self.device)
+                row[self.width + 2].copy_(flag)
+                reset_overflow(self.device)
+                written["flag"] = True
+        self.rows.append(written)
         self.collect_seconds += time.perf_counter() - start
 
     def launch_read(self) -> None:
-        """Start copying the interval's values to the host and begin a new interval (no sync on accelerators)."""
-        vector = torch.cat([
-            self.region_overflow,
-            torch.stack([self.overflow, self.grad.last, self.grad.max_z, self.loss.last, self.loss.max_z, self.steps_in_interval]),
-        ])
+        """Start copying the interval's rows to the host and begin a new interval (no sync on accelerators)."""
+        rows = self.ring[: len(self.rows)]
         headroom, peak = host_headroom(self.device)
         if self.device.type == "cpu":
-            host, event = vector.clone(), None
+            host, event = rows.clone(), None
         else:
-            host = torch.empty(vector.shape, dtype=vector.dtype, pin_memory=True)
-            host.copy_(vector, non_blocking=True)
+            host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+            host.copy_(rows, non_blocking=True)
             event = torch.Event(self.device.type) if hasattr(torch, "Event") else torch.cuda.Event()
             event.record()
-        self._pending = (host, event, headroom, peak)
-        self._reset_interval()
+        self._pending = (host, event, self.rows, headroom, peak)
+        self.rows = []
 
     @property
     def lag(self) -> int:
-        """Steps between launching a read and taking its snapshot: 0 on the CPU, 1 on an accelerator."""
+        """Steps between launching a read and taking it: 0 on the CPU, 1 on an accelerator."""
         return 0 if self.device.type == "cpu" else 1
 
     @property
     def pending(self) -> bool:
         return self._pending is not None
 
-    def take_read(self, *, oom: bool = False) -> list[float]:
-        """The launched read's vector (waits for its copy: by now long done), host values appended."""
+    def take_read(self, *, oom: bool = False, curvature: float | None = None, curvature_ratio: float | None = None) -> list[float]:
+        """The launched read as this rank's vector (`FIELDS`): waits for its copy (by now long done) and runs
+        the interval's steps through the running statistics."""
         assert self._pending is not None, "take_read without launch_read"
-        host, event, headroom, peak = self._pending
+        host, event, rows, headroom, peak = self._pending
         self._pending = None
         if event is not None:
             event.synchronize()
+        region_flags = [0.0] * self.width
+        overflow = False
+        self.grad.reset_max()
+        self.loss.reset_max()
+        for values, written in zip(host.tolist(), rows):
+            if written["grads"]:
+                sums = values[: self.width]
+                region_flags = [max(f, float(not math.isfinite(x))) for f, x in zip(region_flags, sums)]
+                self.grad.update(math.sqrt(sum(sums)) if all(math.isfinite(x) for x in sums) else math.inf)
+            if written["loss"]:
+                self.loss.update(values[self.width])
+            if written["scale"]:
+                scale = values[self.width + 1]
+                overflow |= self.previous_scale is not None and scale < self.previous_scale
+                self.previous_scale = scale
+            if written["flag"]:
+                overflow |= bool(values[self.width + 2])
+        overflow |= any(region_flags)
         unknown = lambda v: -1.0 if v is None else float(v)  # noqa: E731
-        return host.tolist() + [unknown(headroom), unknown(peak), float(oom)]
+        measured = lambda m: -1.0 if m.last is None or not math.isfinite(m.last) else m.last  # noqa: E731
+        return region_flags + [
+            float(overflow), measured(self.grad), self.grad.max_z, measured(self.loss), self.loss.max_z, float(len(rows)),
+            unknown(headroom), unknown(peak), float(oom), unknown(curvature), unknown(curvature_ratio),
+        ]
 
     def snapshot_from(self, values: Sequence[float], step: int) -> Signals:
         """The `Signals` of a read's vector (this rank's, or every rank's combined)."""
         regions = len(self.region_names)
         named = dict(zip(FIELDS, values[regions + 1:]))
-        steps = int(named["steps"])
-        measured = lambda v: v if steps and math.isfinite(v) else None  # noqa: E731
+        known = lambda v: None if v < 0 else v  # noqa: E731
         flags = [bool(v) for v in values[: regions + 1]]
         # Regions name an overflow's place only when it is confined: not everywhere, not outside every region.
         confined = not flags[regions] and not all(flags[:regions])
         return Signals(
             step=step,
-            steps=max(steps, 1),
+            steps=max(int(named["steps"]), 1),
             overflow=bool(named["overflow"]) or any(flags),
             overflow_regions=tuple(name for name, flag in zip(self.region_names, flags) if flag) if confined else (),
-            grad_norm=measured(named["grad_norm"]),
-            grad_norm_z=measured(named["grad_norm_z"]),
-            loss=measured(named["loss"]),
-            loss_z=measured(named["loss_z"]),
-            headroom=None if named["headroom"] < 0 else named["headroom"],
+            grad_norm=known(named["grad_norm"]),
+            grad_norm_z=named["grad_norm_z"],
+            loss=None if named["loss"] == -1 else named["loss"],
+            loss_z=named["loss_z"],
+            headroom=known(named["headroom"]),
             peak_bytes=None if named["peak_bytes"] < 0 else int(named["peak_bytes"]),
             oom=bool(named["oom"]),
+            curvature=None if named["curvature"] == -1 else named["curvature"],
+            curvature_ratio=known(named["curvature_ratio"]),
         )
 
     def state_dict(self) -> dict[str, Any]:
-        return {"count": int(self.count), "grad": self.grad.state(), "loss": self.loss.state()}
+        return {"grad": self.grad.state(), "loss": self.loss.state(), "previous_scale": self.previous_scale}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.count.fill_(state["count"])
         self.grad.load(state["grad"])
         self.loss.load(state["loss"])
+        self.previous_scale = state["previous_scale"]

@@ -72,6 +72,9 @@ def ddp(rank: int, world: int) -> dict:
 
 
 def main() -> None:
+    import faulthandler
+
+    faulthandler.dump_traceback_later(200, exit=True)  # a hung rank says where before the test gives up on it
     rank, world, store, scenario, result = sys.argv[1:6]
     rank, world = int(rank), int(world)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,

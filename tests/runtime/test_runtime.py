@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dpcs_compiler import MemoryPolicy, PrecisionPolicy, Runtime, RuntimeConfig
+from dpcs_compiler.runtime import CurvatureProbe
 from dpcs_compiler.runtime import default_regions, read_telemetry
 from dpcs_compiler.runtime import signals as signals_module
 from dpcs_compiler.runtime.decisions import Decisions
@@ -114,7 +115,7 @@ def test_a_loss_spike_promotes():
     compiled = dpcs_compile(model, precision="bf16")
     policy = PrecisionPolicy(modes=("fp32", "bf16"), loss_z_limit=6.0, grad_z_limit=1e9)
     runtime = Runtime(model, policies=[policy], signal_every=1)
-    runtime.collector.warmup = 5
+    runtime.collector.loss.warmup = runtime.collector.grad.warmup = 5
     x = torch.randn(32, 64)
     train(model, compiled, runtime, 10, x=x)
     assert runtime.decisions.precision == "bf16"
@@ -250,3 +251,29 @@ def test_config_and_inputs_are_validated():
 
 def test_default_regions_are_the_blocks_and_the_other_children():
     assert list(default_regions(Blocks())) == ["blocks.0", "blocks.1", "head"]
+
+
+def test_the_curvature_probe_finds_the_top_eigenvalue_and_its_spike_promotes():
+    # A quadratic loss 0.5 x^T A x has the Hessian A: its top eigenvalue is known.
+    weights = torch.nn.Parameter(torch.randn(6))
+    scales = torch.tensor([1.0, 2.0, 3.0, 0.5, 4.0, 7.0])
+    factor = {"value": 1.0}
+    probe = CurvatureProbe(lambda: 0.5 * (factor["value"] * scales * weights**2).sum(), [weights], every=2, iterations=30)
+    assert probe.top_eigenvalue(0) == pytest.approx(7.0, rel=1e-3)
+    model = Blocks()
+    compiled = dpcs_compile(model, precision="bf16")
+    policy = PrecisionPolicy(modes=("fp32", "bf16"), curvature_limit=3.0)
+    runtime = Runtime(model, policies=[policy], curvature=probe, signal_every=2)
+    train(model, compiled, runtime, 6)
+    assert runtime.decisions.precision == "bf16" and probe.probes == 3 and probe.seconds > 0
+    factor["value"] = 10.0  # the curvature jumps 10x
+    train(model, compiled, runtime, 2)
+    assert runtime.last_signals.curvature == pytest.approx(70.0, rel=1e-3)
+    assert runtime.decisions.precision == "fp32" and "curvature spike" in policy.reason
+    with pytest.raises(ValueError, match="every=0"):
+        CurvatureProbe(lambda: weights.sum(), [weights], every=0)
+
+
+def test_regions_through_a_ddp_wrapper_are_named_as_its_graphs_name_them():
+    wrapped = torch.nn.DataParallel(Blocks())  # DDP needs a process group; DataParallel wraps the same way
+    assert list(default_regions(wrapped)) == ["module.blocks.0", "module.blocks.1", "module.head"]

@@ -32,7 +32,10 @@ def run_ranks(tmp_path: Path, scenario: str) -> list[dict]:
     try:
         outputs = [p.communicate(timeout=RANK_TIMEOUT_S) for p in processes]
     except subprocess.TimeoutExpired:
-        pytest.fail(f"a rank did not finish within {RANK_TIMEOUT_S} s (hung in a collective?)")
+        for p in processes:
+            p.kill()
+        tails = [p.communicate()[1][-3000:] for p in processes]
+        pytest.fail(f"a rank did not finish within {RANK_TIMEOUT_S} s (hung in a collective?); stderr tails: {tails}")
     finally:
         for p in processes:
             p.kill()
