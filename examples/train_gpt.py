@@ -2,6 +2,7 @@
 
     python examples/train_gpt.py [--steps 20] [--batch 8] [--layers 2] [--compiler inductor|eager] [--device cpu]
                                  [--budget-fraction 0.8] [--precision fp32|bf16] [--fp8 tensorwise|rowwise]
+                                 [--telemetry runs/telemetry.jsonl] [--adaptive]
 
 Trains the model through dpcs with a memory budget of `--budget-fraction` times the peak the same step
 measures without a plan (torch's min-cut partition), then prints what dpcs decided for each compiled
@@ -10,6 +11,11 @@ median step time with the budget against without it. `--precision` and `--fp8` a
 (on a CPU, bf16/fp16/fp8 matmuls are far slower than fp32: use them there to see memory, not speed).
 The plan is costed with the hardware profile DPCS_HARDWARE_PROFILE names ("h100" plans for that GPU from
 here), else this machine's, measured once and cached; the printout names it and each plan's hash.
+The training loop runs under a dpcs Runtime (default policies), which writes its telemetry to --telemetry
+(`dpcs plot` draws it).
+
+--adaptive runs the Runtime's demonstration instead (`adaptive.py` beside this file): bf16 training whose
+gradients overflow at one step, the promotion to fp32 and the demotion back, then a budget squeeze.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from dpcs_compiler import compile_records
+from dpcs_compiler import Runtime, compile_records
 from dpcs_compiler.debug.render import format_bytes
 from dpcs_compiler.debug.summary import hardware_lines
 from dpcs_compiler.measure import measure_training_step
@@ -38,7 +44,16 @@ def main() -> None:
     parser.add_argument("--budget-fraction", type=float, default=0.8, help="budget / the unplanned measured peak")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="fp16 needs a GradScaler loop")
     parser.add_argument("--fp8", choices=["tensorwise", "rowwise"], default=None, help="fp8 linears with this recipe")
-    args = parser.parse_args()
+    parser.add_argument("--telemetry", default="runs/telemetry.jsonl", help="where the Runtime writes its telemetry")
+    parser.add_argument("--adaptive", action="store_true", help="run the Runtime's demonstration (adaptive.py)")
+    args, rest = parser.parse_known_args()
+    if args.adaptive:
+        from adaptive import main as adaptive_main
+
+        adaptive_main(rest, defaults=args)
+        return
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     precision = {"precision": args.precision, "fp8": None if args.fp8 is None else {"recipe": args.fp8, "min_size": 64}}
     console = Console(width=200)
 
@@ -64,6 +79,7 @@ def main() -> None:
         options={"compiler": args.compiler, "memory_budget": budget, "on_infeasible": "best", **precision},
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    runtime = Runtime(model, telemetry=args.telemetry)
 
     start = time.perf_counter()
     losses = []
@@ -72,8 +88,10 @@ def main() -> None:
         loss = compiled(*inputs)
         loss.backward()
         optimizer.step()
+        runtime.step(loss=loss, optimizer=optimizer)
         losses.append(loss.item())
     wall = time.perf_counter() - start
+    runtime.close()
     console.print(
         f"trained MiniGPT ({args.layers} layers, batch {args.batch}x{model.cfg.block_size} tokens) for {args.steps} "
         f"steps on {args.device} through dpcs ({args.compiler}): loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
@@ -113,6 +131,12 @@ def main() -> None:
     console.print(
         f"saved {format_bytes(saved)} of peak memory ({saved / baseline.measured_peak_bytes:.1%}) against no budget, "
         f"at {measured.step_seconds / baseline.step_seconds:.2f}x its step time"
+    )
+    console.print(
+        f"runtime: {runtime.step_count} steps, decisions {runtime.decisions.describe()}, "
+        f"{len(runtime.compile_events)} variant(s) compiled; telemetry in {args.telemetry} "
+        f"(draw it: dpcs plot {args.telemetry})",
+        markup=False, highlight=False, soft_wrap=True,
     )
 
 

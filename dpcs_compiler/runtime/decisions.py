@@ -10,6 +10,7 @@ mode: the `fp8` option).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from typing import Any
@@ -72,6 +73,10 @@ class Decisions:
 
     def key(self) -> str:
         """A stable short hash: the variant's name in logs, telemetry and caches."""
+        return self._key
+
+    @functools.cached_property
+    def _key(self) -> str:
         return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()[:12]
 
     def describe(self) -> str:

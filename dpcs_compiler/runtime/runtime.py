@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -52,18 +53,20 @@ STATE_VERSION = 1
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RuntimeConfig:
     """signal_every: steps per read of the signals (one host read, one small collective in a distributed
-    job); decisions are taken at reads. max_compiles / compile_window: at most this many new variants per
+    job); decisions are taken at reads. grad_norm_every: steps per gradient-norm sample (the norms read every
+    gradient once: most of the runtime's per-step cost; 1 samples every step). max_compiles / compile_window: at most this many new variants per
     window of steps (the thrash guard). telemetry_every: steps per telemetry write. max_oom_retries: how
     often `run_step` retries a step that ran out of memory, each time with a tighter budget."""
 
     signal_every: int = 10
+    grad_norm_every: int = 1
     max_compiles: int = 4
     compile_window: int = 100
     telemetry_every: int = 10
     max_oom_retries: int = 2
 
     def __post_init__(self) -> None:
-        for field, minimum in (("signal_every", 1), ("max_compiles", 1), ("compile_window", 1), ("telemetry_every", 1),
+        for field, minimum in (("signal_every", 1), ("grad_norm_every", 1), ("max_compiles", 1), ("compile_window", 1), ("telemetry_every", 1),
                                ("max_oom_retries", 0)):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -152,6 +155,7 @@ class Runtime:
         self._launched_at: int | None = None
         self._oom = False
         self._closed = False
+        self._warned_unbound = False
 
     # ---- what the runtime drives -------------------------------------------------------------------------
 
@@ -181,7 +185,7 @@ class Runtime:
             raise RuntimeError("this Runtime was closed")
         del optimizer  # accepted for the loop's symmetry; the gradients are read from the parameters
         self.step_count += 1
-        self.collector.collect(loss=loss, scaler=scaler)
+        self.collector.collect(loss=loss, scaler=scaler, gradients=self.step_count % self.config.grad_norm_every == 0)
         if self.curvature is not None and self.curvature.due(self.step_count):
             value, ratio = self.curvature.probe(self.step_count)
             ratios = [r for r in (ratio, self._curvature[1] if self._curvature else None) if r is not None]
@@ -190,6 +194,13 @@ class Runtime:
         if self.step_count % self.config.signal_every == 0:
             self.collector.launch_read()
             self._launched_at = self.step_count
+        if self.step_count == self.config.signal_every and not self.control.dispatchers and not self._warned_unbound:
+            self._warned_unbound = True
+            warnings.warn(
+                "dpcs Runtime: no graph compiled with backend='dpcs' takes this model's parameters, so its decisions "
+                "change nothing; pass the module you compiled (or its parameters' owner) to Runtime",
+                stacklevel=2,
+            )
         if self._launched_at is not None and self.step_count >= self._launched_at + self.collector.lag:
             self._launched_at = None
             value, ratio = self._curvature or (None, None)

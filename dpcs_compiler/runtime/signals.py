@@ -1,9 +1,9 @@
 """Signals, collected cheaply: each step writes a few values into a ring buffer on the device; every N steps
 the buffer is read in one copy and the statistics are computed on the host.
 
-Per step (`SignalCollector.collect`), about six device ops and no host sync:
-- gradient norms: one `_foreach_norm` over the gradients (per device), squared and summed per region by one
-  `index_add_` into the step's row of the ring (a region with a non-finite sum overflowed);
+Per step (`SignalCollector.collect`), three device ops and no host sync:
+- gradient norms: one `_foreach_norm` over the gradients (per device), stacked into the step's row of the
+  ring (the host sums their squares per region at the read; a region with a non-finite sum overflowed);
 - the loss, GradScaler's scale (it backs off on inf/NaN: a drop is an overflow) and the dpcs overflow flag
   of the compiled backward (`ops/overflow.py`, read and reset), each copied into the step's row.
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import resource
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -64,22 +65,28 @@ def host_headroom(device: torch.device) -> tuple[float | None, int | None]:
     return None, None
 
 
+_CGROUP = Path("/sys/fs/cgroup")
+_CGROUP_LIMITED: bool | None = None  # whether a cgroup v2 memory limit applies (read once)
+
+
 def _cpu_available_memory() -> tuple[int, int]:
     """(bytes the system can still give this process, its total), the cgroup v2 limit applied."""
-    info = {}
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        key, _, value = line.partition(":")
-        info[key] = int(value.split()[0]) * 1024
-    available, total = info.get("MemAvailable", 0), info.get("MemTotal", 0)
-    cgroup = Path("/sys/fs/cgroup")
-    try:
-        limit = (cgroup / "memory.max").read_text().strip()
-        if limit != "max":
-            used = int((cgroup / "memory.current").read_text())
-            total = min(total, int(limit))
-            available = min(available, max(0, int(limit) - used))
-    except (OSError, ValueError):
-        pass
+    global _CGROUP_LIMITED
+    with open("/proc/meminfo", "rb") as meminfo:
+        text = meminfo.read(4096)
+    total = int(re.search(rb"MemTotal:\s+(\d+)", text).group(1)) * 1024
+    match = re.search(rb"MemAvailable:\s+(\d+)", text)
+    available = int(match.group(1)) * 1024 if match else 0
+    if _CGROUP_LIMITED is not False:
+        try:
+            limit = (_CGROUP / "memory.max").read_text().strip()
+            _CGROUP_LIMITED = limit != "max"
+            if _CGROUP_LIMITED:
+                used = int((_CGROUP / "memory.current").read_text())
+                total = min(total, int(limit))
+                available = min(available, max(0, int(limit) - used))
+        except (OSError, ValueError):
+            _CGROUP_LIMITED = False
     return available, total
 
 
@@ -148,58 +155,76 @@ class SignalCollector:
         self.grad = Moments(decay, warmup)
         self.loss = Moments(decay, warmup)
         self.watch_overflow_flag = watch_overflow_flag
-        self._region_index_cache: tuple[tuple[int, ...], torch.Tensor] | None = None
-        # One row per step of the interval: the per-region sums of squared gradient norms, then the loss,
-        # GradScaler's scale and the overflow flag.
+        # Parameters grouped by device (one _foreach_norm each); float32 on one device needs no conversion.
+        devices = list(dict.fromkeys(p.device for p in self.parameters))
+        self.by_device = [[p for p in self.parameters if p.device == d] for d in devices]
+        self.ordered = [p for group in self.by_device for p in group]
+        self.column = {id(p): j for j, p in enumerate(self.ordered)}
+        self.column_slot = [self.slot[id(p)] for p in self.ordered]
+        self.plain = len(devices) <= 1 and all(p.dtype == torch.float32 for p in self.parameters)
+        # One row per step of the interval: each gradient's norm (in `ordered` order), then the loss,
+        # GradScaler's scale and the overflow flag. Per-region sums are the host's work, at the read.
         self.width = len(self.region_names) + 1
-        self.ring = torch.zeros(every, self.width + 3, dtype=torch.float32, device=self.device)
+        self.norms = len(self.ordered)
+        self.ring = torch.zeros(every, self.norms + 3, dtype=torch.float32, device=self.device)
+        self.row_views = [(r[: self.norms], r[self.norms], r[self.norms + 1], r[self.norms + 2]) for r in self.ring]
         self.rows: list[dict[str, bool]] = []  # per written row: which values it holds (host bookkeeping)
         self.previous_scale: float | None = None
         self._pending: tuple[torch.Tensor, Any, list[dict[str, bool]], float | None, int | None] | None = None
         self.collect_seconds = 0.0  # host time spent in collect(), for the overhead figure
 
-    def _region_index(self, ids: tuple[int, ...]) -> torch.Tensor:
-        """The region slot of each gradient, for `index_add_` (a matmul with a 0/1 matrix would spread an inf
-        to every region as 0 * inf = NaN)."""
-        if self._region_index_cache is None or self._region_index_cache[0] != ids:
-            index = torch.tensor([self.slot[i] for i in ids], dtype=torch.int64, device=self.device)
-            self._region_index_cache = (ids, index)
-        return self._region_index_cache[1]
-
-    def collect(self, *, loss: torch.Tensor | None, scaler: Any | None) -> None:
-        """Write one step's values into the ring; device ops only."""
+    def collect(self, *, loss: torch.Tensor | None, scaler: Any | None, gradients: bool = True) -> None:
+        """Write one step's values into the ring; device ops only. `gradients` False skips the gradient norms
+        (the one pass over every gradient, most of a step's cost) for this step."""
         start = time.perf_counter()
         if len(self.rows) >= self.every:
             raise RuntimeError("SignalCollector: the ring is full; launch_read() every `every` steps")
-        row = self.ring[len(self.rows)]
+        norm_slots, loss_slot, scale_slot, flag_slot = self.row_views[len(self.rows)]
         written = {"grads": False, "loss": False, "scale": False, "flag": False}
         with torch.no_grad():
-            params = [p for p in self.parameters if p.grad is not None]
-            if params:
-                devices = {p.grad.device for p in params}
-                if len(devices) > 1:  # keep the per-device order the norms come in
-                    params = [p for d in devices for p in params if p.grad.device == d]
-                norms = [n for d in devices for n in torch._foreach_norm([p.grad for p in params if p.grad.device == d])]
-                if len(devices) > 1 or any(n.dtype != torch.float32 for n in norms):
-                    norms = [n.to(self.device, torch.float32) for n in norms]
-                squares = torch.stack(norms).square()
-                sums = row[: self.width]
-                sums.zero_()
-                sums.index_add_(0, self._region_index(tuple(id(p) for p in params)), squares)
+            norms, columns = self._gradient_norms() if gradients else ([], None)
+            if norms and columns is None:
+                torch.stack(norms, out=norm_slots)
+                written["grads"] = True
+            elif norms:  # some parameters have no gradient this step: theirs count as 0
+                norm_slots.zero_()
+                norm_slots.index_copy_(0, columns, torch.stack(norms))
                 written["grads"] = True
             if loss is not None:
-                row[self.width].copy_(loss.detach().reshape(()))
+                loss_slot.copy_(loss.detach().reshape(()))
                 written["loss"] = True
             if scaler is not None and getattr(scaler, "is_enabled", lambda: False)() and getattr(scaler, "_scale", None) is not None:
-                row[self.width + 1].copy_(scaler._scale.reshape(()))
+                scale_slot.copy_(scaler._scale.reshape(()))
                 written["scale"] = True
             if self.watch_overflow_flag():
-                flag = overflow_flag(self.device)
-                row[self.width + 2].copy_(flag)
+                flag_slot.copy_(overflow_flag(self.device))
                 reset_overflow(self.device)
                 written["flag"] = True
         self.rows.append(written)
         self.collect_seconds += time.perf_counter() - start
+
+    def _gradient_norms(self) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """The norm of every gradient (float32, on the collector's device; one `_foreach_norm` per device) and,
+        unless every parameter has one (the fast path, most steps), the ring column of each."""
+        norms: list[torch.Tensor] = []
+        complete = True
+        present: list[torch.nn.Parameter] = []
+        for group in self.by_device:
+            grads = [p.grad for p in group]
+            if any(g is None for g in grads):
+                complete = False
+                group = [p for p in group if p.grad is not None]
+                grads = [p.grad for p in group]
+            if grads:
+                norms += torch._foreach_norm(grads)
+                present += group
+        if not norms:
+            return [], None
+        if not self.plain:
+            norms = [n.to(self.device, torch.float32) for n in norms]
+        if complete:
+            return norms, None
+        return norms, torch.tensor([self.column[id(p)] for p in present], dtype=torch.int64, device=self.device)
 
     def launch_read(self) -> None:
         """Start copying the interval's rows to the host and begin a new interval (no sync on accelerators)."""
@@ -238,17 +263,19 @@ class SignalCollector:
         self.loss.reset_max()
         for values, written in zip(host.tolist(), rows):
             if written["grads"]:
-                sums = values[: self.width]
+                sums = [0.0] * self.width
+                for slot, norm in zip(self.column_slot, values[: self.norms]):
+                    sums[slot] += norm * norm
                 region_flags = [max(f, float(not math.isfinite(x))) for f, x in zip(region_flags, sums)]
                 self.grad.update(math.sqrt(sum(sums)) if all(math.isfinite(x) for x in sums) else math.inf)
             if written["loss"]:
-                self.loss.update(values[self.width])
+                self.loss.update(values[self.norms])
             if written["scale"]:
-                scale = values[self.width + 1]
+                scale = values[self.norms + 1]
                 overflow |= self.previous_scale is not None and scale < self.previous_scale
                 self.previous_scale = scale
             if written["flag"]:
-                overflow |= bool(values[self.width + 2])
+                overflow |= bool(values[self.norms + 2])
         overflow |= any(region_flags)
         unknown = lambda v: -1.0 if v is None else float(v)  # noqa: E731
         measured = lambda m: -1.0 if m.last is None or not math.isfinite(m.last) else m.last  # noqa: E731

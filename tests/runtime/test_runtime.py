@@ -277,3 +277,24 @@ def test_the_curvature_probe_finds_the_top_eigenvalue_and_its_spike_promotes():
 def test_regions_through_a_ddp_wrapper_are_named_as_its_graphs_name_them():
     wrapped = torch.nn.DataParallel(Blocks())  # DDP needs a process group; DataParallel wraps the same way
     assert list(default_regions(wrapped)) == ["module.blocks.0", "module.blocks.1", "module.head"]
+
+
+def test_a_runtime_that_drives_no_graph_says_so():
+    model = Blocks()
+    other = Blocks()
+    compiled = dpcs_compile(other)
+    runtime = Runtime(model, policies=[], signal_every=2)
+    with pytest.warns(UserWarning, match="no graph compiled with backend='dpcs' takes this model's parameters"):
+        train(other, compiled, runtime, 2)
+
+
+def test_gradient_norms_sampled_every_k_steps():
+    model = Blocks()
+    compiled = dpcs_compile(model)
+    runtime = Runtime(model, policies=[], signal_every=4, grad_norm_every=2)
+    seen = []
+    original = runtime._decide
+    runtime._decide = lambda signals: (seen.append(signals), original(signals))[1]
+    train(model, compiled, runtime, 8)
+    assert runtime.collector.grad.count == 4 and runtime.collector.loss.count == 8
+    assert all(s.grad_norm and s.grad_norm > 0 for s in seen)
