@@ -314,3 +314,21 @@ def test_a_re_plan_the_solver_finds_over_is_judged_by_its_own_compiled_graphs(mo
     result, record = measured_step(w, "inductor", memory_budget=budget)  # on_infeasible="error"
     assert record.replans == 1 and record.plan_feasible
     assert result.measured_peak_bytes <= record.predicted_peak_bytes * 1.05 and result.measured_peak_bytes <= budget
+
+
+def test_a_graph_that_returns_an_activation_plans_where_its_backward_ops_run():
+    """x + gelu(linear(x)) returned (a piece of a model, as DDP's graph splitting compiles): GELU's derivative
+    needs no tangent but runs in the backward. The plan used to count it as a forward value to save, and the
+    partition, which computes it in the backward, refused the plan."""
+    block = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU())
+    compiled = dpcs_compile(lambda x: x + block(x), "eager", memory_budget="1GiB")
+    x = torch.randn(64, 256)
+    out = compiled(x)
+    out.square().sum().backward()
+    grads = [p.grad.clone() for p in block.parameters()]
+    block.zero_grad()
+    (x + block(x)).square().sum().backward()
+    for got, expected in zip(grads, (p.grad for p in block.parameters())):
+        torch.testing.assert_close(got, expected)
+    (record,) = compile_records()
+    assert record.plan_feasible and record.saved_values >= 1

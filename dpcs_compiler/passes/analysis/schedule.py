@@ -91,15 +91,24 @@ class Schedule:
     def of_joint(cls, gm: GraphModule, *, num_fwd_outputs: int, parameter_indices: Sequence[int] = ()) -> Schedule:
         """An AOTAutograd joint graph: (primals, tangents) -> (forward outputs, gradients).
 
-        Backward nodes are those that depend on a tangent; the rest are forward.
+        Backward nodes are those that depend on a tangent, and, as torch's `default_partition` places them,
+        every node after the last one AOTAutograd traced in the forward (`partitioner_tag` "is_forward"): a
+        backward op that needs no tangent (GELU's derivative, from the forward's input to GELU) runs in the
+        backward, not the forward, although it depends on forward values only. The rest are forward.
         """
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         tangents = [n for n in placeholders if n.name.startswith("tangents")]
         primals = [n for n in placeholders if n not in tangents]
         backward: set[fx.Node] = set(tangents)
+        tagged = [n for n in gm.graph.nodes if n.meta.get("partitioner_tag") == "is_forward"]
+        after_forward = False
         for node in gm.graph.nodes:
-            if node.op != "placeholder" and any(a in backward for a in node.all_input_nodes):
+            if node.op == "placeholder":
+                continue
+            if after_forward or any(a in backward for a in node.all_input_nodes):
                 backward.add(node)
+            if tagged and node is tagged[-1]:
+                after_forward = True
         outputs = _output_values(gm)
         fwd_outputs, grads = outputs[:num_fwd_outputs], outputs[num_fwd_outputs:]
         saved = {
