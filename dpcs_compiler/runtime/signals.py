@@ -4,8 +4,9 @@ the buffer is read in one copy and the statistics are computed on the host.
 Per step (`SignalCollector.collect`), three device ops and no host sync:
 - gradient norms: one `_foreach_norm` over the gradients (per device), stacked into the step's row of the
   ring (the host sums their squares per region at the read; a region with a non-finite sum overflowed);
-- the loss, GradScaler's scale (it backs off on inf/NaN: a drop is an overflow) and the dpcs overflow flag
-  of the compiled backward (`ops/overflow.py`, read and reset), each copied into the step's row.
+- the loss (not finite: an overflow), GradScaler's scale (it backs off on inf/NaN: a drop is an overflow)
+  and the dpcs overflow flag of the compiled backward (`ops/overflow.py`, read and reset), each copied
+  into the step's row.
 
 Every `every` steps the ring is copied to the host: on an accelerator without blocking (pinned buffer and
 an event, read at the next step: the decision lags one step), on the CPU at once. The host then runs the
@@ -270,6 +271,7 @@ class SignalCollector:
                 self.grad.update(math.sqrt(sum(sums)) if all(math.isfinite(x) for x in sums) else math.inf)
             if written["loss"]:
                 self.loss.update(values[self.norms])
+                overflow |= not math.isfinite(values[self.norms])  # an inf/NaN loss: the forward overflowed
             if written["scale"]:
                 scale = values[self.norms + 1]
                 overflow |= self.previous_scale is not None and scale < self.previous_scale

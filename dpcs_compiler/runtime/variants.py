@@ -16,7 +16,8 @@ forward returned, so a switch between steps never mixes plans.
 Without a Runtime, every dispatcher is bound to `UNBOUND`, whose version never moves: the graph runs the
 variant of its compile options, exactly as before runtimes existed. A Runtime binds the dispatchers of the
 graphs that take its model's parameters (`bind`), and a graph compiled after the Runtime was made binds at
-compile time, so a resumed run compiles the restored variant first.
+compile time, so a resumed run compiles the restored variant first; a graph compiled from fake parameters
+(the pieces DDP's graph splitting compiles) binds at its first call, from the real ones.
 """
 
 from __future__ import annotations
@@ -186,31 +187,47 @@ class GraphDispatcher:
         self.variants: dict[str, Callable] = {}  # by options fingerprint
         self.records: dict[str, list[CompileRecord]] = {}
         self.compiles = 0
+        self.events: list[CompileEvent] = []  # every variant this graph compiled
         self.control: VariantControl = UNBOUND
         self.bind(_control_for(self.parameter_ids))
         # The first variant compiles now, inside Dynamo's compile (its tracing context current), from the
         # inputs Dynamo gave, as a backend without runtimes would.
         self.current_key = ""
         self._fn = self._variant(self.control.decisions, example_inputs)
-        self._version = self.control.version
+        # The first call looks at the real inputs once: graphs that got fake parameters at compile time (DDP's
+        # graph splitting compiles its pieces from fake tensors) bind to their runtime there.
+        self._first_call = True
+        self._version = -1
         _dispatchers.add(self)
 
     def bind(self, control: VariantControl) -> None:
         self.control.dispatchers.discard(self)
+        if self.control is UNBOUND and control is not UNBOUND:
+            control.events.extend(self.events)  # what it compiled before it was bound (the runtime reports it)
         self.control = control
         control.dispatchers.add(self)
         self._version = -1  # select at the next call (a known variant compiles nothing)
 
     def __call__(self, *args: Any) -> Any:
         if self._version != self.control.version:
-            self._select()
+            self._select(args)
         return self._fn(*args)
 
     @property
     def reference(self) -> int | None:
         return self.control.references.get(self.fingerprint)
 
-    def _select(self) -> None:
+    def _select(self, args: Sequence[Any]) -> None:
+        if self._first_call:
+            from torch._subclasses.fake_tensor import is_fake
+
+            params = [x for x in args if isinstance(x, torch.nn.Parameter)]
+            if not any(is_fake(p) for p in params):  # DDP's graph splitting runs the pieces on fakes first
+                self._first_call = False
+                real = frozenset(map(id, params))
+                self.parameter_ids |= real
+                if self.control is UNBOUND and real:
+                    self.bind(_control_for(real))
         version = self.control.version
         try:
             self._fn = self._variant(self.control.decisions, None)
@@ -223,7 +240,7 @@ class GraphDispatcher:
                 f"{type(error).__name__}: {error}; it keeps running its current variant",
                 stacklevel=3,
             )
-        self._version = version
+        self._version = -1 if self._first_call else version  # until the first real call, look again
 
     def _variant(self, decisions: Decisions | None, dynamo_inputs: Sequence[Any] | None) -> Callable:
         """The variant of `decisions`, compiled if new: from `dynamo_inputs` inside Dynamo's compile, else from
@@ -284,7 +301,9 @@ class GraphDispatcher:
             predicted_peak_bytes=main.predicted_peak_bytes if main else None,
             error=None if error is None else f"{type(error).__name__}: {error}",
         )
-        self.control.events.append(event)
+        self.events.append(event)
+        if self.control is not UNBOUND:
+            self.control.events.append(event)
         log.info("%s: compiled variant %s (%s) in %.2f s", event.graph, event.variant, event.decisions, seconds)
 
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runtime_scenarios import SWITCHES, Blocks, apply_switch, global_batch  # noqa: E402
+from runtime_scenarios import SWITCHES, WIDTH, Blocks, apply_switch, global_batch  # noqa: E402
 from dpcs_compiler import PrecisionPolicy, Runtime  # noqa: E402
 
 
@@ -50,14 +50,16 @@ def overflow(rank: int) -> dict:
 
 def ddp(rank: int, world: int) -> dict:
     torch.manual_seed(0)
-    model = Blocks(width=128)
-    wrapped = torch.nn.parallel.DistributedDataParallel(model)
+    model = Blocks(width=WIDTH)
+    # Small buckets: DDPOptimizer splits the graph at bucket boundaries, so the runtime drives several graphs.
+    wrapped = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
     compiled = torch.compile(wrapped, backend="dpcs", options={"compiler": "eager", "strict": True})
     runtime = Runtime(wrapped, policies=[])
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
     x = global_batch().chunk(world)[rank]
-    grads = []
+    grads, params = [], []
     for switch in SWITCHES:
+        params.append([p.detach().clone() for p in model.parameters()])
         apply_switch(runtime, switch)
         optimizer.zero_grad(set_to_none=True)
         compiled(x).float().square().mean().backward()
@@ -66,7 +68,7 @@ def ddp(rank: int, world: int) -> dict:
         runtime.step()
     from dpcs_compiler import compile_records
 
-    return {"grads": grads, "compiles": [g.compiles for g in runtime.graphs],
+    return {"grads": grads, "params": params, "compiles": [g.compiles for g in runtime.graphs], "graphs": len(runtime.graphs),
             "plan_hashes": [e.plan_hashes for e in runtime.compile_events],
             "recomputed": [r.recomputed_values for r in compile_records()]}
 

@@ -24,11 +24,12 @@ class Blocks(torch.nn.Module):
 # The forced decisions of each step of the DDP test: (precision, memory budget or None).
 SWITCHES = [("fp32", None), ("bf16", None), ("bf16", "tight"), ("fp32", "tight"), ("fp32", None), ("bf16", "tight"),
             ("fp32", None)]
+WIDTH = 512  # each block's Linear holds 1 MiB: DDP buckets of 1 MiB (the smallest DDPOptimizer takes) split the graph
 TIGHT_BUDGET = 600_000  # bytes: below the per-rank graph's unplanned peak (663 kB), so its plan recomputes
 
 
 def global_batch() -> torch.Tensor:
-    return torch.randn(256, 128, generator=torch.Generator().manual_seed(1))
+    return torch.randn(256, WIDTH, generator=torch.Generator().manual_seed(1))
 
 
 def apply_switch(runtime, switch) -> None:
