@@ -30,7 +30,7 @@ from rich.table import Table
 from dpcs_compiler import MemoryPolicy, PrecisionPolicy, Runtime
 from dpcs_compiler.debug.render import format_bytes
 from dpcs_compiler.debug.telemetry_plot import plot_telemetry
-from dpcs_compiler.measure import measure_peak_memory
+from dpcs_compiler.measure import measure_peak_memory, resident_bytes
 from dpcs_compiler.models import workload
 from dpcs_compiler.runtime import read_telemetry
 
@@ -67,6 +67,7 @@ def main(argv: list[str], defaults: argparse.Namespace) -> None:
         return loss
 
     rows, peaks, notes = [], {}, {}
+    resident = resident_bytes([*model.parameters(), *model.buffers(), *inputs])
     start = time.perf_counter()
     for step in range(1, args.steps + 1):
         if step == args.squeeze_step:
@@ -83,7 +84,9 @@ def main(argv: list[str], defaults: argparse.Namespace) -> None:
         step_start = time.perf_counter()
         if label is not None:
             loss, peak = measure_peak_memory(forward_backward, device=device)
-            peaks[label] = peak.peak_increase_bytes  # above what the step began with (parameters, optimizer state)
+            # The step's peak as the plan counts it: what it adds on top of parameters, buffers and inputs.
+            peaks[label] = resident + peak.peak_increase_bytes
+            runtime.telemetry.record({"step": step, "kind": "measured", "step_peak_bytes": peaks[label]})
         else:
             loss = forward_backward()
         seconds = time.perf_counter() - step_start

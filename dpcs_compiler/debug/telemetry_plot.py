@@ -16,9 +16,13 @@ from dpcs_compiler.runtime.decisions import MODE_RANK, PRECISION_MODES
 def telemetry_series(entries: Sequence[dict[str, Any]]) -> dict[str, list]:
     """The plotted series: per signal read (step, mode, budget, peak, headroom), and the compile and switch
     events (step, label)."""
-    series: dict[str, list] = {"step": [], "mode": [], "budget": [], "peak": [], "headroom": [], "compiles": [], "switches": []}
+    series: dict[str, list] = {"step": [], "mode": [], "budget": [], "planned": [], "peak": [], "headroom": [],
+                               "compiles": [], "switches": [], "measured": []}
     for entry in entries:
         step = entry["step"]
+        if entry.get("kind") == "measured" and entry.get("step_peak_bytes") is not None:
+            series["measured"].append((step, entry["step_peak_bytes"]))
+            continue
         if entry.get("kind") == "compiles":
             for event in entry["compiles"]:
                 label = f"{event['decisions']} ({event['seconds']:.2f} s)" + (" FAILED" if event.get("error") else "")
@@ -31,6 +35,7 @@ def telemetry_series(entries: Sequence[dict[str, Any]]) -> dict[str, list]:
         series["step"].append(step)
         series["mode"].append(decisions.get("precision"))
         series["budget"].append(entry.get("budget_bytes"))
+        series["planned"].append(entry.get("planned_peak_bytes"))
         series["peak"].append(signals.get("peak_bytes"))
         series["headroom"].append(signals.get("headroom"))
         if entry.get("changed") or entry.get("held"):
@@ -56,14 +61,20 @@ def plot_telemetry(entries: Sequence[dict[str, Any]], out: str | Path, title: st
     ax_mode.set_yticks([MODE_RANK[m] + (0.1 if m == "fp16" else 0) for m in modes], modes)
     ax_mode.set_ylabel("precision")
     mib = 2**20
-    budget = [None if b is None else b / mib for b in series["budget"]]
-    peak = [None if p is None else p / mib for p in series["peak"]]
-    if any(b is not None for b in budget):
-        ax_mem.step(steps, [b if b is not None else float("nan") for b in budget], where="post", label="budget", color="tab:red")
-    ax_mem.plot(steps, [p if p is not None else float("nan") for p in peak], ".-", label="measured peak (CUDA: allocator, CPU: process RSS)",
-                color="tab:green")
-    ax_mem.set_ylabel("MiB")
-    ax_mem.legend(loc="upper right")
+    nan = float("nan")
+    in_mib = lambda values: [nan if v is None else v / mib for v in values]  # noqa: E731
+    if any(b is not None for b in series["budget"]):
+        ax_mem.step(steps, in_mib(series["budget"]), where="post", label="budget", color="tab:red")
+    if any(p is not None for p in series["planned"]):
+        ax_mem.step(steps, in_mib(series["planned"]), where="post", label="plan's predicted peak", color="tab:blue")
+    if series["measured"]:
+        ax_mem.plot([s for s, _ in series["measured"]], [p / mib for _, p in series["measured"]], "kx", markersize=8,
+                    label="measured step peak")
+    ax_mem.set_ylabel("MiB (step)")
+    ax_mem.legend(loc="upper left", fontsize=8)
+    process = ax_mem.twinx()  # the process's own peak: a different scale on the CPU (RSS holds torch itself)
+    process.plot(steps, in_mib(series["peak"]), ".-", color="tab:green", alpha=0.4)
+    process.set_ylabel("MiB (CUDA allocator / CPU process RSS peak)", color="tab:green", fontsize=8)
     ax_head.plot(steps, [h if h is not None else float("nan") for h in series["headroom"]], ".-", color="tab:purple")
     ax_head.set_ylabel("headroom")
     ax_head.set_xlabel("step")

@@ -249,7 +249,7 @@ class Runtime:
             self.telemetry.record({
                 "step": self.step_count, "kind": "signals", "signals": signals.to_json(), "decisions": self.decisions.to_json(),
                 "variant": self.decisions.key(), "changed": changed is not None, "reasons": reasons, "held": held,
-                "budget_bytes": self._budget_bytes(),
+                "budget_bytes": self._budget_bytes(), "planned_peak_bytes": self._planned_peak_bytes(),
                 **({"curvature_seconds": round(self.curvature.seconds, 4), "curvature_probes": self.curvature.probes}
                    if self.curvature is not None else {}),
             })
@@ -297,6 +297,7 @@ class Runtime:
             self.telemetry.record({
                 "step": self.step_count, "kind": "compiles", "compiles": [e.to_json() for e in events],
                 "variant": self.decisions.key(), "decisions": self.decisions.to_json(), "budget_bytes": self._budget_bytes(),
+                "planned_peak_bytes": self._planned_peak_bytes(),
             })
         self.compile_events.extend(events)
         for event in events:
@@ -308,6 +309,10 @@ class Runtime:
     def _budget_bytes(self) -> int | None:
         budgets = [d.current_budget_bytes for d in self.control.dispatchers if d.current_budget_bytes is not None]
         return max(budgets) if budgets else None
+
+    def _planned_peak_bytes(self) -> int | None:
+        peaks = [d.current_peak_bytes for d in self.control.dispatchers if d.current_peak_bytes is not None]
+        return max(peaks) if peaks else None
 
     # ---- overrides ---------------------------------------------------------------------------------------
 

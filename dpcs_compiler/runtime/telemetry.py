@@ -1,8 +1,9 @@
 """Telemetry: one JSON object per line, buffered and written every `every` steps.
 
-A runtime writes a line per signal read (step, signals, decisions, variant, budget, measured peak, why the
-policies moved, a hold by the thrash guard) and one per step that compiled variants (each compile event
-with its time). `dpcs plot TELEMETRY.jsonl -o out.png` draws them (`debug/telemetry_plot.py`).
+A runtime writes a line per signal read (kind "signals": step, signals, decisions, variant, budget, the
+plan's predicted peak, measured peak, why the policies moved, a hold by the thrash guard) and one per step
+that compiled variants (kind "compiles": each compile event with its time). A training script may add its
+own lines through `Runtime.telemetry.record` (kind "measured" with a "step_peak_bytes" is drawn too). `dpcs plot TELEMETRY.jsonl -o out.png` draws them (`debug/telemetry_plot.py`).
 """
 
 from __future__ import annotations

@@ -281,6 +281,12 @@ class GraphDispatcher:
         records = self.records.get(self.current_key) or []
         return records[0].budget_bytes if records else None
 
+    @property
+    def current_peak_bytes(self) -> int | None:
+        """The peak the current variant's plan predicts."""
+        records = self.records.get(self.current_key) or []
+        return records[0].predicted_peak_bytes if records else None
+
     def _note_compile(self, decisions: Decisions | None, records: list[CompileRecord], seconds: float, error: Exception | None) -> None:
         self.compiles += 1
         if records and self.name == "graph":
