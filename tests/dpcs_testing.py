@@ -203,3 +203,28 @@ def recomputed_matmuls(monkeypatch):
     monkeypatch.setattr(partition_stage, "partition_by_plan", spy)
     yield seen
     monkeypatch.setattr(partition_stage, "partition_by_plan", real)
+
+
+RANK_TIMEOUT_S = 240  # a rank that waits longer is hung: the test fails instead of hanging
+
+
+def run_rank_processes(commands: list[list[str]], envs: list[dict[str, str]]) -> None:
+    """Run one process per rank at once; fail naming what hung (stderr tails) or what failed."""
+    import subprocess
+
+    processes = [
+        subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for command, env in zip(commands, envs)
+    ]
+    try:
+        outputs = [p.communicate(timeout=RANK_TIMEOUT_S) for p in processes]
+    except subprocess.TimeoutExpired:
+        for p in processes:
+            p.kill()
+        tails = [p.communicate()[1][-3000:] for p in processes]
+        pytest.fail(f"a rank did not finish within {RANK_TIMEOUT_S} s (hung in a collective?); stderr tails: {tails}")
+    finally:
+        for p in processes:
+            p.kill()
+    for p, (_, err) in zip(processes, outputs):
+        assert p.returncode == 0, err

@@ -7,45 +7,34 @@ from __future__ import annotations
 import json
 import re
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from dpcs_testing import BF16_FAST, FP32_FAST, SquaredLinears, squared_linears_step
+from dpcs_testing import BF16_FAST, FP32_FAST, SquaredLinears, run_rank_processes, squared_linears_step
 from dpcs_compiler.cost.hardware import profile_to_json
 from dpcs_compiler.rank_agreement import _describe, graph_fingerprint
 
 WORKER = Path(__file__).resolve().parent / "rank_worker.py"
-RANK_TIMEOUT_S = 240  # a rank that waits longer is hung: the test fails instead of hanging
 
 
 def run_ranks(tmp_path: Path, budget: int, *flags: str) -> list[dict]:
     """Rank 0 with FP32_FAST in its profile cache, rank 1 with BF16_FAST (100x the bf16 rate); their results."""
     store = tmp_path / "store"
-    processes, results = [], []
+    commands, envs, results = [], [], []
     for rank, profile in enumerate((FP32_FAST, BF16_FAST)):
         cache = tmp_path / f"cache{rank}"
         profile_file = tmp_path / f"profile{rank}.json"
         profile_file.write_text(profile_to_json(profile))
         result = tmp_path / f"result{rank}.json"
-        env = {k: v for k, v in os.environ.items() if k != "DPCS_HARDWARE_PROFILE"} | {
+        envs.append({k: v for k, v in os.environ.items() if k != "DPCS_HARDWARE_PROFILE"} | {
             "DPCS_CACHE_DIR": str(cache), "OMP_NUM_THREADS": "1",
-        }
-        command = [sys.executable, str(WORKER), str(rank), "2", str(store), str(budget), str(profile_file), str(result), *flags]
-        processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        })
+        commands.append([sys.executable, str(WORKER), str(rank), "2", str(store), str(budget), str(profile_file), str(result), *flags])
         results.append(result)
-    try:
-        outputs = [p.communicate(timeout=RANK_TIMEOUT_S) for p in processes]
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"a rank did not finish within {RANK_TIMEOUT_S} s (hung in a collective?)")
-    finally:
-        for p in processes:
-            p.kill()
-    for p, (_, err) in zip(processes, outputs):
-        assert p.returncode == 0, err
+    run_rank_processes(commands, envs)
     return [json.loads(r.read_text()) for r in results]
 
 

@@ -80,6 +80,15 @@ def _check_number(config: object, field: str, low: float, high: float, *, open_l
         raise _field_error(config, field, f"a number in {'(' if open_low else '['}{low:g}, {high:g}]")
 
 
+def config_from(config_type: type, config: Any, fields: dict[str, Any], owner: str) -> Any:
+    """`config`, or one made of `fields` (keywords), never both: a policy's (or runtime's) configuration."""
+    if config is not None and fields:
+        raise ValueError(f"{owner} takes config= or its fields as keywords, not both")
+    if config is not None and not isinstance(config, config_type):
+        raise ValueError(f"{owner} config={config!r} is not valid; valid choices: a {config_type.__name__}")
+    return config if config is not None else config_type(**fields)
+
+
 class Policy:
     """A state machine over signal snapshots. Subclasses implement `update` and `propose`, and keep every
     piece of state they need to resume in `state_dict` (plain JSON values)."""
@@ -155,9 +164,7 @@ class PrecisionPolicy(Policy):
 
     def __init__(self, config: PrecisionPolicyConfig | None = None, **fields: Any) -> None:
         super().__init__()
-        if config is not None and fields:
-            raise ValueError("PrecisionPolicy takes a config or its fields as keywords, not both")
-        self.config = config or PrecisionPolicyConfig(**fields)
+        self.config = config_from(PrecisionPolicyConfig, config, fields, "PrecisionPolicy")
         self.index: int | None = None  # rung of the ladder; None until `start` (the runtime sets it)
         self.regions: tuple[str, ...] = ()  # regions kept in fp32
         self.stable_steps = 0
@@ -262,9 +269,7 @@ class MemoryPolicy(Policy):
 
     def __init__(self, config: MemoryPolicyConfig | None = None, **fields: Any) -> None:
         super().__init__()
-        if config is not None and fields:
-            raise ValueError("MemoryPolicy takes a config or its fields as keywords, not both")
-        self.config = config or MemoryPolicyConfig(**fields)
+        self.config = config_from(MemoryPolicyConfig, config, fields, "MemoryPolicy")
         self.level = 0  # 0: the budget as compiled
         self.limit = self.config.max_level  # lowered by `no_tighter` when a level's plans stop fitting
         self.high_steps = 0

@@ -33,7 +33,7 @@ from dpcs_compiler.options import parse_memory_budget
 from dpcs_compiler.runtime.curvature import CurvatureProbe
 from dpcs_compiler.runtime.decisions import Decisions, check_mode
 from dpcs_compiler.runtime.distributed import decide_on_rank_zero, reduce_signals
-from dpcs_compiler.runtime.policies import MemoryPolicy, Policy, PrecisionPolicy, Signals
+from dpcs_compiler.runtime.policies import MemoryPolicy, Policy, PrecisionPolicy, Signals, config_from
 from dpcs_compiler.runtime.signals import SignalCollector, reduce_rule
 from dpcs_compiler.runtime.telemetry import Telemetry
 from dpcs_compiler.runtime.variants import (
@@ -121,9 +121,7 @@ class Runtime:
         config: RuntimeConfig | None = None,
         **config_fields: Any,
     ) -> None:
-        if config is not None and config_fields:
-            raise ValueError("Runtime takes config= or its fields as keywords, not both")
-        self.config = config or RuntimeConfig(**config_fields)
+        self.config = config_from(RuntimeConfig, config, config_fields, "Runtime")
         modules = _modules(models)
         self.parameters = list({id(p): p for m in modules for p in m.parameters()}.values())
         if regions is None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import fnmatch
 import logging
 import time
 import warnings
@@ -150,8 +151,9 @@ def variant_options(base: DpcsOptions, decisions: Decisions | None, modules: fro
     mode = decisions.precision
     precision = mode if mode != "fp8" else (base.precision if base.precision != "fp32" else "bf16")
     fp8 = (base.fp8 or Fp8Options()) if mode == "fp8" else None
-    regions = [r for r in decisions.fp32_regions if r in modules or any(m.startswith(r + ".") for m in modules)]
-    keep = tuple(dict.fromkeys([*base.keep_fp32, *(p for r in regions for p in (r, r + ".*"))]))
+    # A region's own name, and its children's where it has some (a pattern that names nothing would warn).
+    patterns = [p for r in decisions.fp32_regions for p in (r, r + ".*") if p in modules or fnmatch.filter(modules, p)]
+    keep = tuple(dict.fromkeys([*base.keep_fp32, *patterns]))
     changes: dict[str, Any] = {"precision": precision, "fp8": fp8, "keep_fp32": keep}
     if decisions.budget_bytes is not None:
         changes.update(memory_budget=decisions.budget_bytes, on_infeasible="best")

@@ -5,42 +5,24 @@ equal to a single process's."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import warnings
 from pathlib import Path
 
-import pytest
 import torch
 
 from dpcs_compiler import Runtime
+from dpcs_testing import run_rank_processes
 from runtime_scenarios import SWITCHES, WIDTH, Blocks, apply_switch, global_batch
 
 WORKER = Path(__file__).resolve().parent / "runtime_rank_worker.py"
-RANK_TIMEOUT_S = 240  # a rank that waits longer is hung: the test fails instead of hanging
 
 
 def run_ranks(tmp_path: Path, scenario: str) -> list[dict]:
     store = tmp_path / "store"
-    processes, results = [], []
-    for rank in range(2):
-        result = tmp_path / f"result{rank}.pt"
-        env = os.environ | {"OMP_NUM_THREADS": "1"}
-        command = [sys.executable, str(WORKER), str(rank), "2", str(store), scenario, str(result)]
-        processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        results.append(result)
-    try:
-        outputs = [p.communicate(timeout=RANK_TIMEOUT_S) for p in processes]
-    except subprocess.TimeoutExpired:
-        for p in processes:
-            p.kill()
-        tails = [p.communicate()[1][-3000:] for p in processes]
-        pytest.fail(f"a rank did not finish within {RANK_TIMEOUT_S} s (hung in a collective?); stderr tails: {tails}")
-    finally:
-        for p in processes:
-            p.kill()
-    for p, (_, err) in zip(processes, outputs):
-        assert p.returncode == 0, err
+    results = [tmp_path / f"result{rank}.pt" for rank in range(2)]
+    commands = [[sys.executable, str(WORKER), str(rank), "2", str(store), scenario, str(results[rank])] for rank in range(2)]
+    run_rank_processes(commands, [os.environ | {"OMP_NUM_THREADS": "1"}] * 2)
     return [torch.load(r) for r in results]
 
 

@@ -187,8 +187,9 @@ def test_regions_pin_only_in_graphs_that_hold_them():
     from dpcs_compiler.runtime.variants import variant_options
 
     base = DpcsOptions(compiler="eager", keep_fp32=("head",))
-    opts = variant_options(base, Decisions("bf16", ("0", "blocks.3")), frozenset({"0", "1", "head"}), None)
-    assert opts.precision == "bf16" and opts.keep_fp32 == ("head", "0", "0.*")
+    modules = frozenset({"0", "0.fc", "1", "head"})
+    opts = variant_options(base, Decisions("bf16", ("0", "1", "blocks.3")), modules, None)
+    assert opts.precision == "bf16" and opts.keep_fp32 == ("head", "0", "0.*", "1")  # "1" has no children
     fp8 = variant_options(base, Decisions("fp8"), frozenset(), None)
     assert fp8.precision == "bf16" and fp8.fp8 is not None
     scaled = variant_options(base, Decisions("fp32", budget_scale=0.5), frozenset(), 1000)
