@@ -23,7 +23,6 @@ import dataclasses
 import math
 import re
 import resource
-import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -172,12 +171,10 @@ class SignalCollector:
         self.rows: list[dict[str, bool]] = []  # per written row: which values it holds (host bookkeeping)
         self.previous_scale: float | None = None
         self._pending: tuple[torch.Tensor, Any, list[dict[str, bool]], float | None, int | None] | None = None
-        self.collect_seconds = 0.0  # host time spent in collect(), for the overhead figure
 
     def collect(self, *, loss: torch.Tensor | None, scaler: Any | None, gradients: bool = True) -> None:
         """Write one step's values into the ring; device ops only. `gradients` False skips the gradient norms
         (the one pass over every gradient, most of a step's cost) for this step."""
-        start = time.perf_counter()
         if len(self.rows) >= self.every:
             raise RuntimeError("SignalCollector: the ring is full; launch_read() every `every` steps")
         norm_slots, loss_slot, scale_slot, flag_slot = self.row_views[len(self.rows)]
@@ -202,7 +199,6 @@ class SignalCollector:
                 reset_overflow(self.device)
                 written["flag"] = True
         self.rows.append(written)
-        self.collect_seconds += time.perf_counter() - start
 
     def _gradient_norms(self) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """The norm of every gradient (float32, on the collector's device; one `_foreach_norm` per device) and,
@@ -245,10 +241,6 @@ class SignalCollector:
     def lag(self) -> int:
         """Steps between launching a read and taking it: 0 on the CPU, 1 on an accelerator."""
         return 0 if self.device.type == "cpu" else 1
-
-    @property
-    def pending(self) -> bool:
-        return self._pending is not None
 
     def take_read(self, *, oom: bool = False, curvature: float | None = None, curvature_ratio: float | None = None) -> list[float]:
         """The launched read as this rank's vector (`FIELDS`): waits for its copy (by now long done) and runs

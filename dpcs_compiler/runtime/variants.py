@@ -70,7 +70,8 @@ class VariantControl:
 
     `decisions` None means each graph's compile options as they are. `references` holds, per graph
     (`graph_fingerprint`), the bytes a budget scale multiplies: the graph's compiled budget, or the peak its
-    plan predicted without one; it is part of a runtime's state, so a resumed run scales the same bytes.
+    unscaled plan predicted without one; it is part of a runtime's state, so a resumed run scales the same
+    bytes.
     """
 
     def __init__(self) -> None:
@@ -190,6 +191,7 @@ class GraphDispatcher:
         self.records: dict[str, list[CompileRecord]] = {}
         self.compiles = 0
         self.events: list[CompileEvent] = []  # every variant this graph compiled
+        self.own_reference: int | None = None  # its unscaled plan's budget, or predicted peak without one
         self.control: VariantControl = UNBOUND
         self.bind(_control_for(self.parameter_ids))
         # The first variant compiles now, inside Dynamo's compile (its tracing context current), from the
@@ -217,7 +219,12 @@ class GraphDispatcher:
 
     @property
     def reference(self) -> int | None:
-        return self.control.references.get(self.fingerprint)
+        """The bytes a budget scale multiplies: the control's (restored with a runtime's state), else what this
+        graph's unscaled plan gave, which then becomes the control's (a graph compiled before it was bound)."""
+        reference = self.control.references.get(self.fingerprint)
+        if reference is None and self.own_reference is not None:
+            reference = self.control.references[self.fingerprint] = self.own_reference
+        return reference
 
     def _select(self, args: Sequence[Any]) -> None:
         if self._first_call:
@@ -294,11 +301,10 @@ class GraphDispatcher:
         if records and self.name == "graph":
             self.name = records[0].graph
         main = records[0] if records else None
-        if main is not None and error is None and self.fingerprint not in self.control.references:
-            if decisions is None or (decisions.budget_scale is None and decisions.budget_bytes is None):
-                reference = main.budget_bytes or main.predicted_peak_bytes
-                if reference:
-                    self.control.references[self.fingerprint] = int(reference)
+        unscaled = decisions is None or (decisions.budget_scale is None and decisions.budget_bytes is None)
+        if main is not None and error is None and unscaled and self.own_reference is None:
+            reference = main.budget_bytes or main.predicted_peak_bytes
+            self.own_reference = int(reference) if reference else None
         event = CompileEvent(
             graph=self.name,
             variant=decisions.key() if decisions else "compiled",

@@ -298,3 +298,17 @@ def test_gradient_norms_sampled_every_k_steps():
     train(model, compiled, runtime, 8)
     assert runtime.collector.grad.count == 4 and runtime.collector.loss.count == 8
     assert all(s.grad_norm and s.grad_norm > 0 for s in seen)
+
+
+def test_a_graph_compiled_before_the_runtime_scales_its_own_plans_peak(monkeypatch):
+    model = Blocks(width=256)
+    compiled = dpcs_compile(model)
+    x = torch.randn(512, 256)
+    compiled(x).square().mean().backward()  # compiled and run before any Runtime exists
+    runtime = Runtime(model, policies=[MemoryPolicy(low_headroom=0.1, factor=0.9)], signal_every=1)
+    monkeypatch.setattr(signals_module, "host_headroom", lambda device: (0.02, 1 << 20))
+    train(model, compiled, runtime, 2, x=x)
+    [graph] = runtime.graphs
+    loose, tight = (graph.records[k][0] for k in graph.variants)
+    assert graph.compiles == 2 and tight.budget_bytes == int(0.9 * loose.predicted_peak_bytes)
+    assert runtime.state_dict()["references"] == {graph.fingerprint: loose.predicted_peak_bytes}
