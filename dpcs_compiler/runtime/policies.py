@@ -31,14 +31,16 @@ from dpcs_compiler.runtime.decisions import MODE_RANK, Decisions, check_mode
 class Signals:
     """What the run showed over the last `steps` steps, reduced across ranks (one snapshot).
 
-    overflow: some gradient was inf/NaN (GradScaler's scale dropped, the dpcs overflow flag, or a non-finite
-        gradient norm). overflow_regions: the regions whose gradients were non-finite, when known.
+    overflow: some gradient or the loss was inf/NaN (the dpcs overflow flag, a non-finite gradient norm or
+        loss) in a step GradScaler did not handle. overflow_regions: the regions whose gradients were non-finite, when known.
     grad_norm: the latest global gradient norm; grad_norm_z: the largest deviation of the global norm from its
         running mean over the snapshot, in running standard deviations (a spike when large).
     loss, loss_z: the same for the loss. curvature_ratio: the latest top Hessian eigenvalue estimate over its
         running mean (the optional curvature probe).
     headroom: free memory as a fraction of the device's (the smallest over ranks); peak_bytes: the measured peak.
     oom: an out-of-memory error was caught in the step (`Runtime.run_step`).
+    scaler_backoffs: steps GradScaler skipped and backed off from (its inf gradients are not an `overflow`);
+    scale: its scale after the last step.
     """
 
     step: int
@@ -54,6 +56,8 @@ class Signals:
     headroom: float | None = None
     peak_bytes: int | None = None
     oom: bool = False
+    scaler_backoffs: int = 0
+    scale: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -120,7 +124,9 @@ class PrecisionPolicyConfig:
     a promotion before the policy demotes again. grad_z_limit / loss_z_limit: a gradient-norm or loss
     deviation of more running standard deviations than this is an instability; curvature_limit: a curvature
     estimate this many times its running mean is one. per_region: an overflow confined to some regions keeps
-    those regions in fp32 rather than promoting the model."""
+    those regions in fp32 rather than promoting the model. min_scale: GradScaler backing off is loss scaling
+    at work (it probes a larger scale every growth_interval steps and backs off), not an overflow, unless it
+    backs off below this scale (DeepSpeed and Megatron stop at 1): then the dtype's range is too small."""
 
     modes: tuple[str, ...] = ("fp32", "bf16")
     floor: str | None = None
@@ -131,6 +137,7 @@ class PrecisionPolicyConfig:
     loss_z_limit: float = 8.0
     curvature_limit: float = 4.0
     per_region: bool = True
+    min_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.modes, str) or not isinstance(self.modes, (tuple, list)) or not self.modes:
@@ -147,7 +154,7 @@ class PrecisionPolicyConfig:
                 raise _field_error(self, field, f"None or one of the ladder's modes {self.modes}")
         _check_int(self, "patience", 1)
         _check_int(self, "cooldown", 0)
-        for field in ("grad_z_limit", "loss_z_limit", "curvature_limit"):
+        for field in ("grad_z_limit", "loss_z_limit", "curvature_limit", "min_scale"):
             _check_number(self, field, 0.0, math.inf)
         if not isinstance(self.per_region, bool):
             raise _field_error(self, "per_region", "True, False")
@@ -195,7 +202,13 @@ class PrecisionPolicy(Policy):
     def update(self, signals: Signals) -> None:
         self.start(self.config.modes[0])
         self.reason = None
-        unstable = "overflow" if signals.overflow else self.instability(signals)
+        c = self.config
+        scale_floor = signals.scaler_backoffs and signals.scale is not None and signals.scale < c.min_scale
+        unstable = (
+            "overflow" if signals.overflow
+            else f"loss scale backed off to {signals.scale:g} < min_scale {c.min_scale:g}" if scale_floor
+            else self.instability(signals)
+        )
         if unstable is not None:
             self.stable_steps = 0
             self.cooldown_left = self.config.cooldown

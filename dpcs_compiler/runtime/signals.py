@@ -4,9 +4,10 @@ the buffer is read in one copy and the statistics are computed on the host.
 Per step (`SignalCollector.collect`), three device ops and no host sync:
 - gradient norms: one `_foreach_norm` over the gradients (per device), stacked into the step's row of the
   ring (the host sums their squares per region at the read; a region with a non-finite sum overflowed);
-- the loss (not finite: an overflow), GradScaler's scale (it backs off on inf/NaN: a drop is an overflow)
-  and the dpcs overflow flag of the compiled backward (`ops/overflow.py`, read and reset), each copied
-  into the step's row.
+- the loss (not finite: an overflow), GradScaler's scale and the dpcs overflow flag of the compiled
+  backward (`ops/overflow.py`, read and reset), each copied into the step's row. A step after which the
+  scale dropped is one GradScaler skipped and handled (dynamic loss scaling backs off now and then by
+  design): it counts as a back-off (`Signals.scaler_backoffs`, `Signals.scale`), not as an overflow.
 
 Every `every` steps the ring is copied to the host: on an accelerator without blocking (pinned buffer and
 an event, read at the next step: the decision lags one step), on the CPU at once. The host then runs the
@@ -36,12 +37,12 @@ from dpcs_compiler.runtime.policies import Signals
 RELATIVE_SPREAD = 0.05
 
 # Fields of a read's vector after the per-region overflow flags (one more slot: parameters in no region), and
-# how ranks combine each (`reduce_rule`). The last five are the host's; -1 stands for "not known".
+# how ranks combine each (`reduce_rule`); -1 stands for "not known".
 FIELDS = ("overflow", "grad_norm", "grad_norm_z", "loss", "loss_z", "steps", "headroom", "peak_bytes", "oom",
-          "curvature", "curvature_ratio")
+          "curvature", "curvature_ratio", "scaler_backoffs", "scale")
 _RULES = {"overflow": "max", "grad_norm": "mean", "grad_norm_z": "max", "loss": "mean", "loss_z": "max",
           "steps": "max", "headroom": "min", "peak_bytes": "max", "oom": "max", "curvature": "mean",
-          "curvature_ratio": "max"}
+          "curvature_ratio": "max", "scaler_backoffs": "max", "scale": "min"}
 
 
 def reduce_rule(regions: int) -> list[str]:
@@ -252,23 +253,27 @@ class SignalCollector:
             event.synchronize()
         region_flags = [0.0] * self.width
         overflow = False
+        backoffs = 0
         self.grad.reset_max()
         self.loss.reset_max()
         for values, written in zip(host.tolist(), rows):
+            backoff = False
+            if written["scale"]:
+                scale = values[self.norms + 1]
+                backoff = self.previous_scale is not None and scale < self.previous_scale
+                backoffs += backoff
+                self.previous_scale = scale
             if written["grads"]:
                 sums = [0.0] * self.width
                 for slot, norm in zip(self.column_slot, values[: self.norms]):
                     sums[slot] += norm * norm
-                region_flags = [max(f, float(not math.isfinite(x))) for f, x in zip(region_flags, sums)]
+                if not backoff:  # a step GradScaler skipped and backed off from: its inf gradients are handled
+                    region_flags = [max(f, float(not math.isfinite(x))) for f, x in zip(region_flags, sums)]
                 self.grad.update(math.sqrt(sum(sums)) if all(math.isfinite(x) for x in sums) else math.inf)
             if written["loss"]:
                 self.loss.update(values[self.norms])
                 overflow |= not math.isfinite(values[self.norms])  # an inf/NaN loss: the forward overflowed
-            if written["scale"]:
-                scale = values[self.norms + 1]
-                overflow |= self.previous_scale is not None and scale < self.previous_scale
-                self.previous_scale = scale
-            if written["flag"]:
+            if written["flag"] and not backoff:
                 overflow |= bool(values[self.norms + 2])
         overflow |= any(region_flags)
         unknown = lambda v: -1.0 if v is None else float(v)  # noqa: E731
@@ -276,6 +281,7 @@ class SignalCollector:
         return region_flags + [
             float(overflow), measured(self.grad), self.grad.max_z, measured(self.loss), self.loss.max_z, float(len(rows)),
             unknown(headroom), unknown(peak), float(oom), unknown(curvature), unknown(curvature_ratio),
+            float(backoffs), unknown(self.previous_scale),
         ]
 
     def snapshot_from(self, values: Sequence[float], step: int) -> Signals:
@@ -300,6 +306,8 @@ class SignalCollector:
             oom=bool(named["oom"]),
             curvature=None if named["curvature"] == -1 else named["curvature"],
             curvature_ratio=known(named["curvature_ratio"]),
+            scaler_backoffs=int(named["scaler_backoffs"]),
+            scale=known(named["scale"]),
         )
 
     def state_dict(self) -> dict[str, Any]:

@@ -171,3 +171,12 @@ def test_decisions_validate_and_key_stably():
     for bad in ({"precision": "int8"}, {"budget_scale": 1.5}, {"budget_bytes": 0}, {"fp32_regions": "blocks"}):
         with pytest.raises(ValueError, match="Decisions"):
             Decisions(**bad)
+
+
+def test_scaler_back_offs_promote_only_below_min_scale():
+    policy = PrecisionPolicy(modes=("fp32", "bf16"), start="bf16", min_scale=1.0, patience=10**6)
+    routine = Signals(step=10, steps=10, scaler_backoffs=1, scale=32768.0)
+    [kept] = run(policy, [routine])
+    assert kept.precision == "bf16" and policy.reason is None
+    [promoted] = run(policy, [Signals(step=20, steps=10, scaler_backoffs=3, scale=0.5)])
+    assert promoted.precision == "fp32" and "loss scale backed off to 0.5 < min_scale 1" in policy.reason

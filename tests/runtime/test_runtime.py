@@ -87,11 +87,13 @@ def test_signals_read_every_n_steps():
     assert seen[0].headroom is not None and 0 < seen[0].headroom <= 1 and seen[0].peak_bytes > 0
 
 
-def test_a_grad_scaler_backing_off_is_an_overflow():
+@pytest.mark.parametrize("min_scale, promoted", [(1.0, False), (256.0, True)])
+def test_a_grad_scaler_backing_off_promotes_only_below_min_scale(min_scale, promoted):
+    """GradScaler backs off from 256 to 128 at step 3: loss scaling at work, unless below min_scale."""
     model = Blocks()
     compiled = dpcs_compile(model)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
-    policy = PrecisionPolicy(modes=("fp32", "bf16"), start="bf16", per_region=False)
+    policy = PrecisionPolicy(modes=("fp32", "bf16"), start="bf16", per_region=False, min_scale=min_scale)
     runtime = Runtime(model, policies=[policy], signal_every=2)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     x = torch.randn(32, 64)
@@ -106,8 +108,11 @@ def test_a_grad_scaler_backing_off_is_an_overflow():
         runtime.step(loss=loss, optimizer=optimizer, scaler=scaler)
         if step == 2:
             assert runtime.decisions.precision == "bf16"
-    assert scaler.get_scale() < 2.0**8
-    assert runtime.decisions.precision == "fp32" and "overflow" in policy.reason
+    assert scaler.get_scale() == 2.0**7
+    assert runtime.last_signals.scaler_backoffs == 1 and not runtime.last_signals.overflow
+    assert runtime.decisions.precision == ("fp32" if promoted else "bf16")
+    if promoted:
+        assert "loss scale backed off to 128 < min_scale 256" in policy.reason
 
 
 def test_a_loss_spike_promotes():

@@ -45,7 +45,7 @@ def test_an_overflow_everywhere_names_no_region_and_a_nan_loss_is_one():
     assert read(c, 2).overflow
 
 
-def test_a_scaler_backing_off_and_steps_without_gradients():
+def test_a_scaler_backing_off_is_a_back_off_not_an_overflow_and_steps_without_gradients():
     class Scaler:
         def __init__(self):
             self._scale = torch.tensor(1024.0)
@@ -53,16 +53,20 @@ def test_a_scaler_backing_off_and_steps_without_gradients():
         def is_enabled(self):
             return True
 
-    c, params = collector(every=4)
+    c, (a, b, loose) = collector(every=4)
     scaler = Scaler()
     c.collect(loss=None, scaler=scaler)  # no gradients, no loss
     c.collect(loss=None, scaler=scaler)
+    a.grad = b.grad = loose.grad = torch.full((4,), float("inf"))  # the step GradScaler skips
     scaler._scale = torch.tensor(512.0)
     c.collect(loss=None, scaler=scaler)
     signals = read(c, 3)
-    assert signals.overflow and signals.grad_norm is None and signals.loss is None and signals.steps == 3
-    c.collect(loss=None, scaler=scaler)
-    assert not read(c, 4).overflow  # the scale stayed
+    assert not signals.overflow and signals.overflow_regions == ()
+    assert (signals.scaler_backoffs, signals.scale) == (1, 512.0)
+    assert signals.grad_norm is None and signals.loss is None and signals.steps == 3
+    c.collect(loss=None, scaler=scaler)  # the same inf gradients, and the scale stayed: not handled
+    signals = read(c, 4)
+    assert signals.overflow and signals.scaler_backoffs == 0
 
 
 def test_moments_measure_spikes_in_running_deviations_after_the_warmup():
@@ -79,10 +83,12 @@ def test_moments_measure_spikes_in_running_deviations_after_the_warmup():
 def test_ranks_combine_any_overflow_mean_statistics_and_the_least_headroom():
     c, _ = collector()
     rules = reduce_rule(len(c.region_names))
-    # regions a, b, loose; overflow, grad_norm, grad_z, loss, loss_z, steps, headroom, peak, oom, curvature, ratio
-    zero = [0, 0, 0, 0.0, 2.0, 1.0, 3.0, 0.5, 10, 0.4, 100, 0, -1, -1]
-    one = [0, 1, 0, 1.0, 4.0, 7.0, 5.0, 0.2, 10, -1, 300, 0, -1, -1]
+    # regions a, b, loose; overflow, grad_norm, grad_z, loss, loss_z, steps, headroom, peak, oom, curvature, ratio,
+    # scaler back-offs, scale
+    zero = [0, 0, 0, 0.0, 2.0, 1.0, 3.0, 0.5, 10, 0.4, 100, 0, -1, -1, 1, 512.0]
+    one = [0, 1, 0, 1.0, 4.0, 7.0, 5.0, 0.2, 10, -1, 300, 0, -1, -1, 0, 1024.0]
     combined = combine([zero, one], rules)
-    assert combined == [0, 1, 0, 1.0, 3.0, 7.0, 4.0, 0.5, 10, 0.4, 300, 0, -1, -1]
+    assert combined == [0, 1, 0, 1.0, 3.0, 7.0, 4.0, 0.5, 10, 0.4, 300, 0, -1, -1, 1, 512.0]
     signals = c.snapshot_from(combined, 10)
     assert signals.overflow_regions == ("b",) and signals.headroom == 0.4 and signals.peak_bytes == 300
+    assert (signals.scaler_backoffs, signals.scale) == (1, 512.0)
