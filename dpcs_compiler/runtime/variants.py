@@ -139,6 +139,12 @@ def live_dispatchers() -> list[GraphDispatcher]:
     return list(_dispatchers)
 
 
+def fake_inputs(fake_mode: Any, example_inputs: Sequence[Any]) -> list[Any]:
+    """The graph's inputs as fake tensors of `fake_mode` (Dynamo's: the fakes it traced with, symbolic sizes
+    and all); other inputs (SymInts, numbers) as they are."""
+    return [fake_mode.from_tensor(x, static_shapes=False) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+
+
 def variant_options(base: DpcsOptions, decisions: Decisions | None, modules: frozenset[str], reference: int | None) -> DpcsOptions:
     """The compile options of `decisions` for a graph compiled with `base` whose ops run in `modules`.
 
@@ -178,9 +184,12 @@ class GraphDispatcher:
         # (symbolic sizes and all; no real tensor is kept alive).
         self.graph_module = fx.GraphModule(gm, copy.deepcopy(gm.graph))
         self.fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
-        self.fake_inputs = [
-            self.fake_mode.from_tensor(x, static_shapes=False) if isinstance(x, torch.Tensor) else x for x in example_inputs
-        ]
+        try:
+            self.fake_inputs: list[Any] | None = fake_inputs(self.fake_mode, example_inputs)
+        except Exception as error:  # an input fake tensors cannot stand for: the graph keeps its first variant
+            self.fake_inputs = None
+            self.no_variants = f"its inputs cannot be kept as fake tensors ({type(error).__name__}: {error})"
+            log.warning("%s; a Runtime cannot switch this graph to other variants", self.no_variants)
         self.parameter_ids = frozenset(
             [id(x) for x in example_inputs if isinstance(x, torch.nn.Parameter)] + [id(p) for p in gm.parameters()]
         )
@@ -264,6 +273,8 @@ class GraphDispatcher:
         before = compile_records()
         start = time.perf_counter()
         error = None
+        if dynamo_inputs is None and self.fake_inputs is None:
+            raise RuntimeError(f"no variant of this graph can be compiled between steps: {self.no_variants}")
         graph = fx.GraphModule(self.graph_module, copy.deepcopy(self.graph_module.graph))
         try:
             if dynamo_inputs is not None:

@@ -195,3 +195,23 @@ def test_regions_pin_only_in_graphs_that_hold_them():
     scaled = variant_options(base, Decisions("fp32", budget_scale=0.5), frozenset(), 1000)
     assert scaled.memory_budget == 500 and scaled.on_infeasible == "best"
     assert variant_options(base, None, frozenset(), None) is base
+
+
+def test_inputs_that_cannot_be_faked_keep_the_first_variant_and_say_so(monkeypatch):
+    """A graph input fake tensors cannot stand for (some tensor subclasses): the graph compiles and runs as
+    without a runtime; a switch warns and keeps the variant it has."""
+    from dpcs_compiler.runtime import variants
+
+    def refuse(fake_mode, example_inputs):
+        raise NotImplementedError("no fake for this tensor")
+
+    monkeypatch.setattr(variants, "fake_inputs", refuse)
+    model = mlp()
+    compiled = torch.compile(model, backend="dpcs", options={"compiler": "eager"})  # not strict
+    runtime = Runtime(model, policies=[])
+    x = torch.randn(4, 32)
+    assert compiled(x).dtype == torch.float32
+    monkeypatch.undo()
+    runtime.force_precision("bf16")
+    with pytest.warns(UserWarning, match="inputs cannot be kept as fake tensors"):
+        assert compiled(x).dtype == torch.float32
