@@ -151,7 +151,6 @@ class Runtime:
         self.forced_budget: int | None = None
         self.last_signals: Signals | None = None
         self._launched_at: int | None = None
-        self._oom = False
         self._closed = False
         self._warned_unbound = False
 
@@ -202,9 +201,9 @@ class Runtime:
         if self._launched_at is not None and self.step_count >= self._launched_at + self.collector.lag:
             self._launched_at = None
             value, ratio = self._curvature or (None, None)
-            vector = self.collector.take_read(oom=self._oom, curvature=value, curvature_ratio=ratio)
+            vector = self.collector.take_read(curvature=value, curvature_ratio=ratio)
             vector = reduce_signals(vector, reduce_rule(len(self.collector.region_names)))
-            self._oom, self._curvature = False, None
+            self._curvature = None
             changed = self._decide(self.collector.snapshot_from(vector, self.step_count))
         self._record_compiles()
         return changed
@@ -225,7 +224,7 @@ class Runtime:
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            self._oom = True
+            # Decided here, at once: the next read does not count this OOM again.
             changed = self._decide(Signals(step=self.step_count, steps=0, oom=True))
             log.warning("step %d ran out of memory: retrying with %s", self.step_count, (changed or self.decisions).describe())
         raise AssertionError("unreachable")

@@ -150,7 +150,7 @@ def test_low_headroom_tightens_the_budget_into_a_lower_peak_plan(monkeypatch):
 def test_run_step_retries_an_out_of_memory_step_with_a_tighter_budget():
     model = Blocks(width=256)
     compiled = dpcs_compile(model)
-    runtime = Runtime(model, policies=[MemoryPolicy(factor=0.9)])
+    runtime = Runtime(model, policies=[MemoryPolicy(factor=0.9)], signal_every=1)
     x = torch.randn(512, 256)
     attempts = []
 
@@ -165,6 +165,8 @@ def test_run_step_retries_an_out_of_memory_step_with_a_tighter_budget():
 
     assert runtime.run_step(step) > 0
     assert attempts == [None, 0.9]
+    runtime.step()  # the next read does not count the OOM a second time
+    assert runtime.decisions.budget_scale == 0.9
     runtime.config = RuntimeConfig(max_oom_retries=0)
     attempts.clear()
     with pytest.raises(torch.OutOfMemoryError):
