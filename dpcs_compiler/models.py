@@ -10,6 +10,7 @@ checkpoints each block.
 from __future__ import annotations
 
 import dataclasses
+import io
 
 import torch
 import torch.nn.functional as F
@@ -124,6 +125,38 @@ class GraphBreakNet(nn.Module):
         return self.second(torch.relu(x))
 
 
+class ResidualMLPBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class BranchingNet(nn.Module):
+    """Three stacks of residual MLP blocks with two graph breaks between them, as real models make them: a
+    branch on a tensor's value (`if h.sum() > 0`) and a `print`. Dynamo hands the backend three graphs per
+    step; which middle graph runs depends on the data."""
+
+    def __init__(self, d: int = 128, blocks: int = 2, log: object | None = None) -> None:
+        super().__init__()
+        self.first = nn.Sequential(*[ResidualMLPBlock(d) for _ in range(blocks)])
+        self.middle = nn.Sequential(*[ResidualMLPBlock(d) for _ in range(blocks)])
+        self.last = nn.Sequential(*[ResidualMLPBlock(d) for _ in range(blocks)])
+        self.log = log if log is not None else io.StringIO()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        if h.sum() > 0:  # data-dependent: a graph break
+            h = self.middle(h)
+        else:
+            h = self.middle(-h)
+        print("middle done", file=self.log)  # a graph break
+        return self.last(h)
+
+
 @dataclasses.dataclass(frozen=True)
 class Workload:
     """A model, its inputs and the loss that turns its output into a scalar for backward."""
@@ -143,7 +176,8 @@ def _identity(loss: torch.Tensor) -> torch.Tensor:
 
 
 def workload(name: str, batch: int, *, layers: int = 2, seed: int = 0) -> Workload:
-    """Reference workloads by name: "mlp" (batch = rows), "gpt" (batch = sequences of 128 tokens)."""
+    """Reference workloads by name: "mlp" (batch = rows), "gpt" (batch = sequences of 128 tokens), "breaks"
+    (`BranchingNet`: three graphs per step; batch = rows)."""
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     if name == "mlp":
@@ -152,7 +186,9 @@ def workload(name: str, batch: int, *, layers: int = 2, seed: int = 0) -> Worklo
         cfg = GPTConfig(layers=layers)
         idx = torch.randint(0, cfg.vocab, (batch, cfg.block_size), generator=generator)
         return Workload(name, MiniGPT(cfg), (idx, torch.roll(idx, -1, dims=1)), _identity)
-    raise ValueError(f"unknown workload {name!r}; valid choices: 'mlp', 'gpt'")
+    if name == "breaks":
+        return Workload(name, BranchingNet(blocks=layers), (torch.randn(batch, 128, generator=generator),), _mean_square)
+    raise ValueError(f"unknown workload {name!r}; valid choices: 'mlp', 'gpt', 'breaks'")
 
 
 # --- Benchmark models (`dpcs bench`) --------------------------------------------------------------------

@@ -17,9 +17,11 @@ from typing import Any
 
 from dpcs_compiler.cost.hardware import HardwareProfile, profile_to_json
 from dpcs_compiler.cost.profiles import MEASURE, ProfileSpec, parse_profile_spec, profile_choices
+from dpcs_compiler.cost.step_model import StepContext
 
 COMPILERS = ("inductor", "eager")
 ON_INFEASIBLE = ("error", "best")
+BUDGET_SCOPES = ("step", "graph")
 PRECISIONS = ("fp32", "bf16", "fp16")
 FP8_RECIPES = ("tensorwise", "rowwise")
 FP8_MATMULS = ("auto", "scaled_mm", "emulated")
@@ -160,6 +162,10 @@ class DpcsOptions:
         inputs, saved activations, temporaries, recomputation): bytes (int), a size string ("6GiB",
         "800MB"), a fraction of the device's total memory (float in (0, 1]), or "auto" (the device's free
         memory less a margin). None: no plan, torch's min-cut partition.
+    budget_scope: "step" (the budget bounds the whole training step: the graphs of one step, split by graph
+        breaks or DDP buckets, share it, each planned against what the others keep alive; the step's order
+        is learned on its first run and the graphs re-planned once, as runtime variants) or "graph" (each
+        graph planned alone against the whole budget: a step of several graphs can exceed it).
     on_infeasible: when no plan fits the budget: "error" raises, naming the smallest peak dpcs can reach;
         "best" compiles the plan with that smallest peak and warns.
     precision: "fp32", or "bf16" / "fp16": matmuls, linears, convolutions and attention run in that dtype,
@@ -177,6 +183,8 @@ class DpcsOptions:
         a memory budget every rank can hold, and the ranks compare plan hashes once per compiled training
         graph (an error names what differs). False for jobs whose ranks compile different graphs
         (pipeline stages): each rank then plans alone.
+    step_context: set by dpcs, not by users: what the other graphs of the step hold around this one
+        (`cost.step_model.StepContext`), from the step planner (`runtime/step.py`).
     """
 
     compiler: str = "inductor"
@@ -190,6 +198,8 @@ class DpcsOptions:
     detect_overflow: bool | None = None
     hardware_profile: ProfileSpec = MEASURE
     rank_agreement: bool = True
+    budget_scope: str = "step"
+    step_context: StepContext | None = None
 
     def __post_init__(self) -> None:
         if self.compiler not in COMPILERS:
@@ -211,6 +221,12 @@ class DpcsOptions:
                 f"dpcs option 'on_infeasible'={self.on_infeasible!r} is not valid; valid choices: "
                 f"{', '.join(map(repr, ON_INFEASIBLE))}"
             )
+        if self.budget_scope not in BUDGET_SCOPES:
+            raise ValueError(
+                f"dpcs option 'budget_scope'={self.budget_scope!r} is not valid; valid choices: "
+                f"{', '.join(map(repr, BUDGET_SCOPES))}"
+            )
+        object.__setattr__(self, "step_context", StepContext.parse(self.step_context))
         if self.precision not in PRECISIONS:
             raise ValueError(
                 f"dpcs option 'precision'={self.precision!r} is not valid; valid choices: {', '.join(map(repr, PRECISIONS))}"
@@ -272,6 +288,8 @@ class DpcsOptions:
                 return str(value)
             if isinstance(value, HardwareProfile):
                 return json.loads(profile_to_json(value))
+            if isinstance(value, StepContext):
+                return value.to_json()
             if isinstance(value, Fp8Options):
                 return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(value).items()}
             return list(value) if isinstance(value, tuple) else value
@@ -279,9 +297,10 @@ class DpcsOptions:
         return {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
     def fingerprint(self) -> str:
-        """Stable hash of the options that change compiled code (the dump folder and strictness do not; the
-        hardware profile is in the plan as the profile itself, wherever it came from)."""
+        """Stable hash of the options that change compiled code (the dump folder, strictness and the budget's
+        scope do not: a step's context does; the hardware profile is in the plan as the profile itself,
+        wherever it came from)."""
         relevant = {
-            k: v for k, v in self.to_json().items() if k not in ("dump_dir", "strict", "hardware_profile", "rank_agreement")
+            k: v for k, v in self.to_json().items() if k not in ("dump_dir", "strict", "hardware_profile", "rank_agreement", "budget_scope")
         }
         return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]

@@ -46,6 +46,9 @@ class CompileRecord:
     forward_schedule_excess_bytes: int | None = None
     backward_schedule_excess_bytes: int | None = None
     replans: int = 0
+    # In a training step of several graphs (`cost/step_model.py`): what the others hold around this one, as
+    # planned with (forward_bytes, backward_bytes, boundary_cap); None: planned alone.
+    step_context: dict[str, Any] | None = None
     fusions_refused: int = 0  # Inductor horizontal fusions refused across allocations (passes/rewrite/fusion_guard)
     # Precision (solve/precision.py): the graph's low dtype, ops given a dtype, linears run in fp8.
     precision: str = "fp32"
@@ -83,5 +86,55 @@ def records_since(snapshot: list[CompileRecord]) -> list[CompileRecord]:
     return [r for r in _RECORDS if id(r) not in known]
 
 
+_ON_CLEAR: list = []  # callables run by clear_compile_records (the step recorder forgets its graphs)
+
+
 def clear_compile_records() -> None:
+    """Forget every record, and the steps learned from the graphs compiled so far (as after
+    `torch._dynamo.reset()`, whose graphs are gone)."""
     _RECORDS.clear()
+    _STEPS.clear()
+    for forget in _ON_CLEAR:
+        forget()
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """One training step of several graph calls as dpcs planned it (`runtime/step.py`): its predicted peak,
+    one number for the whole step, and where it happens.
+
+    calls: the graph of each forward call of the step where the peak is, in call order (a graph called per
+        layer appears per call);
+    peak_graph / peak_node / peak_phase: the graph, schedule node and phase at the predicted peak;
+    replanned: the graphs were re-planned for the step (False: their own plans already fit it);
+    holds_most: the graph that keeps the most for its backward while the others run.
+    """
+
+    step: str  # "step_000", unique in the process
+    calls: list[str]
+    budget_bytes: int | None
+    predicted_peak_bytes: int
+    peak_graph: str
+    peak_node: str | None
+    peak_phase: str
+    feasible: bool
+    replanned: bool
+    holds_most: str | None = None
+    outside_bytes: int = 0  # alive throughout the step outside its graphs (earlier micro-batches' gradients)
+    shapes: int = 1  # step orders planned for together (a data-dependent branch makes several)
+    contexts: dict[str, dict[str, Any] | None] = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_STEPS: list[StepRecord] = []
+
+
+def add_step_record(record: StepRecord) -> None:
+    _STEPS.append(record)
+
+
+def step_records() -> list[StepRecord]:
+    """The training steps of several graphs dpcs planned in this process, oldest first."""
+    return list(_STEPS)

@@ -35,11 +35,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from dpcs_compiler.cost.step_model import StepContext
 from dpcs_compiler.options import DpcsOptions, Fp8Options
 from dpcs_compiler.passes.analysis.op_sites import module_stack
 from dpcs_compiler.rank_agreement import graph_fingerprint
 from dpcs_compiler.report import CompileRecord, compile_records, records_since
 from dpcs_compiler.runtime.decisions import Decisions
+from dpcs_compiler.stages.job import job_of
 
 log = logging.getLogger("dpcs.runtime")
 
@@ -202,16 +204,35 @@ class GraphDispatcher:
         self.events: list[CompileEvent] = []  # every variant this graph compiled
         self.own_reference: int | None = None  # its unscaled plan's budget, or predicted peak without one
         self.control: VariantControl = UNBOUND
+        # Step planning (`runtime/step.py`): the context the step planner gave this graph, under which
+        # decisions, and whether the step recorder is watching its calls.
+        self.step_context: StepContext | None = None
+        self.step_context_for: Decisions | None = None
+        self.jobs: dict[str, list[Any]] = {}  # variant key -> the jobs that compiled it (their memory problems)
+        self._watch = False
+        self._control_version = -1
         self.bind(_control_for(self.parameter_ids))
         # The first variant compiles now, inside Dynamo's compile (its tracing context current), from the
         # inputs Dynamo gave, as a backend without runtimes would.
         self.current_key = ""
-        self._fn = self._variant(self.control.decisions, example_inputs)
+        participates = options.memory_budget is not None and options.budget_scope == "step"
+        if participates:
+            from dpcs_compiler.runtime.step import STEPS
+
+            # Compiled in the middle of a step: planned against what the graphs that ran before it hold.
+            self.step_context = STEPS.provisional_context(example_inputs)
+            self.step_context_for = self.control.decisions
+        with warnings.catch_warnings():
+            if self.step_context is not None:  # the step is planned as a whole after its first run
+                warnings.filterwarnings("ignore", message=r".*(cannot be met|fits memory_budget).*")
+            self._fn = self._variant(self.control.decisions, example_inputs)
         # The first call looks at the real inputs once: graphs that got fake parameters at compile time (DDP's
         # graph splitting compiles its pieces from fake tensors) bind to their runtime there.
         self._first_call = True
         self._version = -1
         _dispatchers.add(self)
+        if participates:
+            STEPS.arm(self)
 
     def bind(self, control: VariantControl) -> None:
         self.control.dispatchers.discard(self)
@@ -224,7 +245,27 @@ class GraphDispatcher:
     def __call__(self, *args: Any) -> Any:
         if self._version != self.control.version:
             self._select(args)
+        if self._watch:
+            from dpcs_compiler.runtime.step import STEPS
+
+            return STEPS.call(self, args)
         return self._fn(*args)
+
+    def set_step_context(self, context: StepContext | None) -> None:
+        """Plan this graph inside its training step from its next call on (None: alone), under the current
+        runtime decisions (another decision plans it alone until the step is planned again)."""
+        self.step_context = context
+        self.step_context_for = self.control.decisions
+        self._version = -1
+
+    def current_job(self) -> Any | None:
+        """The job that compiled the current variant's training graph (None: gone, or fell back)."""
+        return next((j for j in self.jobs.get(self.current_key, ()) if j is not None and j.problem is not None), None)
+
+    def step_graph(self) -> Any | None:
+        """(GraphStep, decisions) of the current variant, for the step planner; None without a memory plan."""
+        job = self.current_job()
+        return job.step_graph() if job is not None else None
 
     @property
     def reference(self) -> int | None:
@@ -247,6 +288,12 @@ class GraphDispatcher:
                 if self.control is UNBOUND and real:
                     self.bind(_control_for(real))
         version = self.control.version
+        if version != self._control_version:
+            if self._control_version >= 0 and self.step_context is not None:
+                from dpcs_compiler.runtime.step import STEPS
+
+                STEPS.arm(self)  # another variant: the step is planned again for it
+            self._control_version = version
         try:
             self._fn = self._variant(self.control.decisions, None)
         except Exception as error:
@@ -266,6 +313,10 @@ class GraphDispatcher:
         if decisions is not None and decisions.budget_scale is not None and decisions.budget_bytes is None and self.reference is None:
             self._variant(None, dynamo_inputs)  # the unscaled plan gives the bytes the scale multiplies
         options = variant_options(self.options, decisions, self.modules, self.reference)
+        if self.step_context is not None and decisions == self.step_context_for:
+            # Planned inside its step: what the step planner found feasible is compiled without an error
+            # in the middle of training (the planner raised already if no step plan fits).
+            options = dataclasses.replace(options, step_context=self.step_context, on_infeasible="best")
         key = options.fingerprint()
         if key in self.variants:
             self.current_key = key
@@ -292,6 +343,7 @@ class GraphDispatcher:
             self._note_compile(decisions, records, time.perf_counter() - start, error)
         self.variants[key] = fn
         self.records[key] = records
+        self.jobs[key] = [job_of(r.graph) for r in records]
         self.current_key = key
         return fn
 

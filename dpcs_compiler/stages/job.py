@@ -9,6 +9,7 @@ import dataclasses
 import itertools
 import logging
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,6 +21,7 @@ from dpcs_compiler.cost.budget import WORKSPACE_FRACTION, planning_target
 from dpcs_compiler.cost.hardware import ResolvedProfile
 from dpcs_compiler.cost.memory_model import MemoryProblem, plan_memory
 from dpcs_compiler.cost.profiles import resolve_profile
+from dpcs_compiler.cost.step_model import GraphStep, in_step
 from dpcs_compiler.debug.render import format_bytes
 from dpcs_compiler.options import DpcsOptions
 from dpcs_compiler.passes.analysis import FORWARD, Schedule
@@ -39,6 +41,14 @@ from dpcs_compiler.report import CompileRecord, add_record
 log = logging.getLogger("dpcs.pipeline")
 
 _graph_ids = itertools.count()
+# Jobs by graph name while something holds them (a dispatcher keeps its variants' jobs: the step planner reads
+# their memory problems).
+_JOBS: weakref.WeakValueDictionary[str, GraphJob] = weakref.WeakValueDictionary()
+
+
+def job_of(graph: str) -> GraphJob | None:
+    """The job that compiled the graph named `graph`, if something still holds it."""
+    return _JOBS.get(graph)
 
 
 # Plans re-made per graph when the compiled graphs of a plan exceed the budget (`GraphJob.hold_to_budget`).
@@ -109,6 +119,9 @@ class GraphJob:
     graph_fingerprint: str = ""  # the Dynamo graph's identity across ranks (`rank_agreement`)
     resolved_profile: ResolvedProfile | None = None  # `hardware_profile`
     budget_bytes: int | None = None  # `planning_budget`
+    sharing: Any | None = None  # `passes.analysis.planning.StepSharing`: what the step's other graphs see
+    schedule_node_names: tuple[str, ...] = ()  # the planning schedule's nodes (a problem step's name)
+    held_excess: dict[str, int] | None = None  # the excess the plan was last held to the budget with
 
     @classmethod
     def start(cls, gm: fx.GraphModule, example_inputs: Sequence[Any], options: DpcsOptions) -> GraphJob:
@@ -134,6 +147,7 @@ class GraphJob:
         parameters = tuple(i for i, x in enumerate(example_inputs) if isinstance(x, torch.nn.Parameter))
         log.info("compiling %s: %d Dynamo nodes", name, record.dynamo_nodes)
         job = cls(options, record, ctx, parameters, dumper)
+        _JOBS[name] = job
         job.graph_fingerprint = rank_agreement.graph_fingerprint(gm.code, example_inputs)
         job.finish()  # a compile that stops early still leaves a summary behind
         return job
@@ -205,11 +219,15 @@ class GraphJob:
         excess is still the planner's assumption (the forward checked, the backward not yet compiled): a
         plan compiled to be read (`provisional`) is then not judged yet.
         """
-        memory = plan_memory(self.problem.with_schedule_excess(excess["forward"], excess["backward"]), self.plan.decisions)
+        self.held_excess = dict(excess)
+        problem = self.problem.with_schedule_excess(excess["forward"], excess["backward"])
+        memory = plan_memory(self.in_step(problem, capped=False), self.plan.decisions)
         self.ctx.plan = dataclasses.replace(self.plan, predicted_peak_bytes=memory.peak_bytes)
         self.record.predicted_peak_bytes = memory.peak_bytes
         self.finish()
         budget = self.plan.budget_bytes
+        # Held to the budget with its step's cap too (what it keeps between forward and backward).
+        memory = plan_memory(self.in_step(problem, capped=True), self.plan.decisions)
         if self.provisional and not final:
             return
         if self.provisional and memory.peak_bytes <= planning_target(budget):
@@ -240,6 +258,31 @@ class GraphJob:
         if self.options.on_infeasible == "error":
             raise BudgetInfeasibleError(f"{message}; raise the budget, or pass on_infeasible='best' to compile it")
         warnings.warn(f"{message}; compiling it (on_infeasible='best')", stacklevel=2)
+
+    def in_step(self, problem: MemoryProblem, *, capped: bool) -> MemoryProblem:
+        """`problem` inside its training step (`options.step_context`): the other graphs' bytes added, and with
+        `capped`, the step's cap on what this graph holds between its forward and backward."""
+        context = self.options.step_context
+        if context is not None and not capped:
+            context = dataclasses.replace(context, boundary_cap=None)
+        budget = self.budget_bytes if self.budget_bytes is not None else self.plan.budget_bytes
+        return in_step(problem, context, planning_target(budget) if budget is not None else 0)
+
+    def step_graph(self) -> tuple[GraphStep, tuple[str, ...]] | None:
+        """This training graph as the step planner sees it, with its plan's decisions; None without a plan."""
+        if self.problem is None or self.sharing is None or self.budget_bytes is None or self.record.mode != "training":
+            return None
+        excess = self.held_excess or self.schedule_excess
+        problem = self.problem.with_schedule_excess(max(0, excess["forward"]), max(0, excess["backward"]))
+        graph = GraphStep(
+            name=self.record.graph,
+            problem=problem,
+            target=planning_target(self.budget_bytes),
+            parameter_bytes=self.sharing.parameter_bytes,
+            shared_bytes=self.sharing.shared_bytes,
+            gradient_bytes=self.sharing.gradient_bytes,
+        )
+        return graph, self.plan.decisions
 
     def finish(self) -> None:
         """Write the plan and the summary (again after each stage, so a lazy backward updates them)."""

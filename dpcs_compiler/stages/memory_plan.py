@@ -15,12 +15,14 @@ from dpcs_compiler.cost.budget import DeviceMemory, planning_target, resolve_bud
 from dpcs_compiler.cost.hardware import HardwareProfile
 from dpcs_compiler.cost.memory_model import OFFLOAD, RECOMPUTE, SAVE, plan_memory
 from dpcs_compiler.cost.op_time import node_seconds, transfer_seconds
+from dpcs_compiler.cost.step_model import in_step
 from dpcs_compiler.debug.render import format_bytes
 from dpcs_compiler.passes.analysis import op_cost
 from dpcs_compiler.passes.analysis.planning import (
     PlanningGraph,
     planning_graph,
     planning_schedule,
+    step_sharing,
 )
 from dpcs_compiler.plan import ValueDecision
 from dpcs_compiler.solve import solve
@@ -87,6 +89,8 @@ def plan_memory_budget(job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: in
         # Offload is a host link's: the profile's (a GPU profile plans offloads even for a graph traced on CPU).
         transfer = (lambda nbytes: transfer_seconds(nbytes, profile)) if profile.host_to_device is not None else None
         job.problem = planning.memory_problem(seconds, transfer)
+        job.sharing = step_sharing(planning, num_fwd_outputs)
+        job.schedule_node_names = tuple(n.name for n in schedule.nodes)
         job.measured_excess, job.carried_excess = {}, 0
         job.record.fusions_refused = 0
         # Under Inductor, after a re-plan: the bytes its schedule held beyond the model (zero at first).
@@ -96,7 +100,14 @@ def plan_memory_budget(job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: in
         # A graph whose backward reads nothing of the forward has nothing to decide.
         # Plans are held to the budget less an allowance for memory kernels allocate inside themselves.
         target = planning_target(budget)
-        solution = solve(problem, target) if problem.candidates else measured_solution(problem, (), target, "none", 0.0)
+        # In a step of several graphs: the others' bytes around this one, and the cap on what it holds
+        # between its forward and backward (`cost/step_model.py`).
+        held = in_step(problem, options.step_context, target)
+        solution = solve(held, target) if held.candidates else measured_solution(held, (), target, "none", 0.0)
+        # The prediction: this graph's peak in its step (the cap is a bound, not bytes alive).
+        solution = dataclasses.replace(
+            solution, peak_bytes=plan_memory(job.in_step(problem, capped=False), solution.decisions).peak_bytes
+        )
     if has_symbolic_shapes(joint):
         warnings.warn(
             f"dpcs planned {job.record.graph} for its traced sizes, but its shapes are dynamic: the plan is not "
@@ -114,7 +125,7 @@ def plan_memory_budget(job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: in
         )
         for i, (c, d) in enumerate(zip(planning.candidates, decisions))
     )
-    peak_step = plan_memory(problem, decisions).peak_step
+    peak_step = plan_memory(job.in_step(problem, capped=False), decisions).peak_step
     ctx.plan = dataclasses.replace(
         job.plan.with_values(values),
         budget_bytes=budget,
@@ -125,6 +136,7 @@ def plan_memory_budget(job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: in
     )
     record = job.record
     record.budget_bytes, record.plan_feasible, record.solver = budget, solution.feasible, solution.solver
+    record.step_context = options.step_context.to_json() if options.step_context else None
     record.hardware_profile = f"{profile.device_key}: {resolved.describe()}"
     record.planned_for = profile.device_key if profile.device_type != device.type else None
     record.recomputed_values = decisions.count(RECOMPUTE)

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from dpcs_compiler.cost.memory_model import Candidate, MemoryProblem
 from dpcs_compiler.passes.analysis.base import require
@@ -280,3 +281,51 @@ def _recompute_closure(
     transient = _closure_peak(ordered, buffer, live)
     own = index_of_holder.get(holder)
     return ordered, tuple(sorted(i for i in inputs if i != own)), transient, any(is_random(n) for n in nodes)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSharing:
+    """What of a graph's memory the other graphs of its step see (`cost.step_model.GraphStep`).
+
+    parameter_bytes: its parameters; shared_bytes: what its boundary level (between forward and backward)
+    holds that is not its own to keep: parameters, inputs its backward does not read, outputs its backward
+    does not read (the caller or the next graph holds those); gradient_bytes: the parameter gradients its
+    backward returns (they stay, in `.grad`, while the earlier graphs run their backwards).
+    """
+
+    parameter_bytes: int
+    shared_bytes: int
+    gradient_bytes: int
+
+
+def step_sharing(planning: PlanningGraph, num_fwd_outputs: int) -> StepSharing:
+    """The analysis behind `StepSharing`, from the joint schedule's buffers."""
+    schedule, live = planning.schedule, planning.live
+    categories = buffer_categories(live)
+    referrers: dict[Buffer, list[fx.Node]] = {}
+    for node, buffers in live.references.items():
+        for b in buffers:
+            referrers.setdefault(b, []).append(node)
+
+    def read_by_backward(b: Buffer) -> bool:
+        return any(
+            schedule.phase.get(u) == BACKWARD for v in referrers.get(b, ()) for u in v.users if u.op != "output"
+        )
+
+    parameters = shared = 0
+    for b in live.buffers:
+        category = categories[b]
+        if category == "parameter":
+            parameters += live.hint(b)
+            shared += live.hint(b)
+        elif category in ("input", "output") and b.producer not in schedule.late_inputs and not read_by_backward(b):
+            shared += live.hint(b)
+    gradients = 0
+    (joint,) = schedule.graphs[:1]
+    primals = [n for n in joint.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
+    output = next(n for n in reversed(joint.graph.nodes) if n.op == "output")
+    grads = list(pytree.tree_leaves(output.args[0], is_leaf=lambda x: x is None))[num_fwd_outputs:]
+    for primal, grad in zip(primals, grads):
+        if primal in schedule.parameters and isinstance(grad, fx.Node):
+            gradients += sum(live.hint(b) for b in live.references.get(primal, ()))
+    return StepSharing(parameter_bytes=parameters, shared_bytes=shared, gradient_bytes=gradients)

@@ -1,0 +1,320 @@
+"""One budget for a whole training step: the graphs of a step share it, each planned against what the others
+keep alive while it runs.
+
+A step with graph breaks (or DDP's bucket pieces, or a block compiled once and called per layer) runs several
+compiled graphs. Their forwards run in call order and their backwards in reverse, so while instance `i` runs,
+every earlier instance sits between its forward and its backward, holding what it saved for its backward,
+and every later instance whose backward already ran has left its parameter gradients behind. Per graph,
+planning works on its own `MemoryProblem`; this module adds the others as a `StepContext`:
+
+- `forward_bytes` / `backward_bytes`: bytes the other graphs (and the step outside graphs) hold during this
+  graph's forward / backward, added to each of its steps;
+- `boundary_cap`: the most this graph may hold between its forward and its backward (its boundary level),
+  held to by a zero-second step inserted there (`in_step`): what it holds there is what every later graph
+  counts in its own context, so a cap chosen for the step keeps every context true.
+
+`plan_step` chooses the caps: each graph's boundary level lies between its lowest (everything that can be
+recomputed or offloaded is) and its highest (everything saved); one fraction `level` of that range for all
+graphs, the largest for which every graph has a plan within the budget, found by bisection. The step's
+predicted peak is then one number, the largest over its graph instances of own peak plus context, with the
+graph and node where it happens.
+
+Everything here is pure: problems and plain numbers in, contexts and peaks out; the solver is passed in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+from dpcs_compiler.cost.memory_model import OFFLOAD, RECOMPUTE, SAVE, MemoryProblem, plan_memory
+
+LEVEL_PROBES = 10  # bisection steps on the shared level (1/1024 of each graph's range)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepContext:
+    """What the rest of the step holds around one graph, in bytes (see the module docs)."""
+
+    forward_bytes: int = 0
+    backward_bytes: int = 0
+    boundary_cap: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("forward_bytes", "backward_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"StepContext.{name}={value!r} is not valid; valid choices: bytes as an int >= 0")
+        cap = self.boundary_cap
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
+            raise ValueError(f"StepContext.boundary_cap={cap!r} is not valid; valid choices: None or bytes as an int >= 0")
+
+    def to_json(self) -> dict[str, int | None]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def parse(cls, value: object) -> StepContext | None:
+        if value is None or isinstance(value, StepContext):
+            return value
+        if isinstance(value, Mapping) and set(value) <= {f.name for f in dataclasses.fields(cls)}:
+            return cls(**value)
+        raise ValueError(
+            f"dpcs option 'step_context'={value!r} is not valid; valid choices: None, or a dict with keys "
+            "'forward_bytes', 'backward_bytes', 'boundary_cap' (set by dpcs's step planner)"
+        )
+
+
+def in_step(problem: MemoryProblem, context: StepContext | None, target: int) -> MemoryProblem:
+    """`problem` inside its step: the context's bytes added to each forward / backward step, and, with a
+    boundary cap, a zero-second step between forward and backward whose bytes are the graph's boundary level
+    plus `target - cap` (so a plan within `target` holds at most the cap there). The boundary step is the last
+    forward step; backward steps move one on."""
+    if context is None:
+        return problem
+    start = problem.backward_start
+    forward, backward = context.forward_bytes, context.backward_bytes
+    extra = np.where(np.arange(problem.steps) < start, forward, backward).astype(np.int64)
+    base, before, seconds = problem.base_bytes + extra, problem.base_before_bytes + extra, problem.step_seconds
+    candidates = problem.candidates
+    if context.boundary_cap is not None:
+        level = boundary_base(problem) + max(0, target - context.boundary_cap)
+        base = np.insert(base, start, level)
+        before = np.insert(before, start, level)
+        seconds = np.insert(seconds, start, 0.0)
+        candidates = tuple(
+            dataclasses.replace(c, first_backward_use=c.first_backward_use + 1, last_use=c.last_use + 1) for c in candidates
+        )
+        start += 1
+    return MemoryProblem(
+        base_bytes=base, base_before_bytes=before, step_seconds=seconds, backward_start=start, candidates=candidates
+    )
+
+
+def boundary_base(problem: MemoryProblem) -> int:
+    """Bytes the graph holds between its forward and backward, its candidates left out."""
+    start = problem.backward_start
+    if start >= problem.steps:
+        return int(problem.base_bytes[-1]) if problem.steps else 0
+    return int(problem.base_before_bytes[start])
+
+
+def boundary_level(problem: MemoryProblem, decisions: Sequence[str]) -> int:
+    """What the graph holds between its forward and its backward under `decisions`: the boundary base and
+    the candidates alive there (saved ones; offloaded ones whose copy has not finished)."""
+    start = problem.backward_start
+    level = boundary_base(problem)
+    for i, (c, d) in enumerate(zip(problem.candidates, decisions)):
+        if d == SAVE or (d == OFFLOAD and problem.offload_free_step(i) >= start):
+            level += c.nbytes
+    return level
+
+
+def lowest_boundary_decisions(problem: MemoryProblem) -> tuple[str, ...]:
+    """Each candidate recomputed where it can be, else offloaded where it can be, else saved: the plan that
+    holds least between forward and backward."""
+    return tuple(RECOMPUTE if c.can_recompute else OFFLOAD if c.can_offload else SAVE for c in problem.candidates)
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphLevels:
+    """One graph's plan as the step sees it: own peaks per phase (with their steps), the boundary level."""
+
+    forward_peak: int
+    forward_peak_step: int
+    backward_peak: int
+    backward_peak_step: int
+    boundary: int
+
+    @classmethod
+    def of(cls, problem: MemoryProblem, decisions: Sequence[str]) -> GraphLevels:
+        during = plan_memory(problem, decisions).bytes_during
+        start = problem.backward_start
+        fwd, bwd = during[:start], during[start:]
+        f = int(np.argmax(fwd)) if len(fwd) else -1
+        b = int(np.argmax(bwd)) + start if len(bwd) else -1
+        return cls(
+            forward_peak=int(fwd[f]) if len(fwd) else 0,
+            forward_peak_step=f,
+            backward_peak=int(during[b]) if len(bwd) else 0,
+            backward_peak_step=b,
+            boundary=boundary_level(problem, decisions),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphStep:
+    """One compiled graph of the step, as the step planner sees it.
+
+    problem: its own memory problem (no context); target: the peak its plans are held to (the budget less
+    the workspace allowance); parameter_bytes: its parameters (counted once for the whole step: the others'
+    contexts count them); shared_bytes: what its boundary level holds that is not its own to keep (its
+    parameters, its inputs the backward does not read, its outputs: the next graph counts them as inputs);
+    gradient_bytes: the parameter gradients its backward leaves behind.
+    """
+
+    name: str
+    problem: MemoryProblem
+    target: int
+    parameter_bytes: int
+    shared_bytes: int
+    gradient_bytes: int
+
+    def held(self, boundary: int) -> int:
+        """Bytes this graph keeps alive for its backward while the others run."""
+        return max(0, boundary - self.shared_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """The order of one training step: graph keys of its forward calls, in call order (a graph called per
+    layer appears once per call), the distinct parameter bytes of the whole step, and what is alive
+    throughout that no graph shows (gradients from earlier micro-batches, memory measured outside graphs)."""
+
+    instances: tuple[str, ...]
+    parameter_bytes: int
+    outside_bytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPeak:
+    """The step's predicted peak and where it happens."""
+
+    bytes: int
+    graph: str  # the graph key
+    shape: int  # which step shape (index into the shapes planned for)
+    instance: int  # which call of that step (index into StepShape.instances)
+    phase: str  # "forward" or "backward"
+    step: int  # the schedule step in that graph's own problem
+
+
+def _calls(shapes: Sequence[StepShape], graphs: Mapping[str, GraphStep], held: Mapping[str, int]):
+    """Per call of every shape: (shape index, call index, graph key, what the others hold in its forward,
+    what they hold in its backward)."""
+    for s, shape in enumerate(shapes):
+        for i, key in enumerate(shape.instances):
+            common = max(0, shape.parameter_bytes - graphs[key].parameter_bytes) + shape.outside_bytes
+            earlier = sum(held[k] for k in shape.instances[:i])
+            later_gradients = sum(graphs[k].gradient_bytes for k in shape.instances[i + 1 :])
+            yield s, i, key, common + earlier, common + earlier + later_gradients
+
+
+def contexts_for(
+    shapes: Sequence[StepShape],
+    graphs: Mapping[str, GraphStep],
+    held: Mapping[str, int],
+    caps: Mapping[str, int | None] | None = None,
+) -> dict[str, StepContext]:
+    """Each graph's context: the largest over its calls (in every step shape seen) of what the others hold
+    during its forward and its backward, given what each graph holds between its phases (`held`)."""
+    forward: dict[str, int] = {}
+    backward: dict[str, int] = {}
+    for _, _, key, during_forward, during_backward in _calls(shapes, graphs, held):
+        forward[key] = max(forward.get(key, 0), during_forward)
+        backward[key] = max(backward.get(key, 0), during_backward)
+    caps = caps or {}
+    return {k: StepContext(forward[k], backward[k], caps.get(k)) for k in forward}
+
+
+def step_peak(shapes: Sequence[StepShape], graphs: Mapping[str, GraphStep], levels: Mapping[str, GraphLevels]) -> StepPeak:
+    """The step's peak under each graph's plan: at every call, its own peak plus what the others hold."""
+    held = {k: graphs[k].held(levels[k].boundary) for k in levels}
+    best: StepPeak | None = None
+    for s, i, key, during_forward, during_backward in _calls(shapes, graphs, held):
+        lv = levels[key]
+        for phase, own, at, extra in (
+            ("forward", lv.forward_peak, lv.forward_peak_step, during_forward),
+            ("backward", lv.backward_peak, lv.backward_peak_step, during_backward),
+        ):
+            if at >= 0 and (best is None or own + extra > best.bytes):
+                best = StepPeak(own + extra, key, s, i, phase, at)
+    if best is None:
+        raise ValueError("a step needs at least one graph call")
+    return best
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """The contexts each graph is compiled with, and what they give.
+
+    feasible: every graph has a plan within its target in its context; level: the shared fraction of each
+    graph's boundary range (None: the graphs' own plans already fit the step, no context needed); decisions
+    and levels: each graph's plan in its context (as its compile will re-make it); peak: the step's peak.
+    """
+
+    contexts: dict[str, StepContext | None]
+    decisions: dict[str, tuple[str, ...]]
+    levels: dict[str, GraphLevels]
+    peak: StepPeak
+    feasible: bool
+    level: float | None
+    solves: int
+    alone: bool = False  # one call of one graph, nothing around it: the step is that graph's own plan
+
+    def holds_most(self, graphs: Mapping[str, GraphStep]) -> str:
+        """The graph that holds the most for its backward while the others run."""
+        return max(self.levels, key=lambda k: graphs[k].held(self.levels[k].boundary))
+
+
+Solver = Callable[[MemoryProblem, int], tuple[tuple[str, ...], bool]]  # (problem, target) -> (decisions, feasible)
+
+
+def plan_step(
+    shapes: Sequence[StepShape],
+    graphs: Mapping[str, GraphStep],
+    current: Mapping[str, tuple[str, ...]],
+    solver: Solver,
+) -> StepPlan:
+    """Contexts under which every graph of the step has a plan and the step's peak fits, in every step shape
+    seen (a data-dependent branch can make steps of different graphs).
+
+    `current` holds each graph's plan as compiled. If those already fit the step (every call's own peak plus
+    what the others hold stays within its target), nothing changes (`level` None, `contexts` None each); a
+    step of one call with nothing alive around it is that graph's own plan. Otherwise the shared
+    level is bisected (see the module docs); if even the lowest level has no plan, the result is infeasible,
+    with the plans of the lowest level (the smallest step peak this method reaches).
+    """
+    missing = {k for shape in shapes for k in shape.instances if k not in graphs}
+    if missing or not shapes:
+        raise ValueError(f"step graphs without a plan: {sorted(missing)}" if missing else "no step shape to plan")
+    target = min(g.target for g in graphs.values())
+    levels = {k: GraphLevels.of(graphs[k].problem, current[k]) for k in graphs}
+    peak = step_peak(shapes, graphs, levels)
+    alone = all(len(s.instances) == 1 and s.outside_bytes == 0 for s in shapes) and len(graphs) == 1
+    if peak.bytes <= target or alone:
+        return StepPlan(dict.fromkeys(graphs), dict(current), levels, peak, peak.bytes <= target, None, 0, alone)
+    low = {k: boundary_level(g.problem, lowest_boundary_decisions(g.problem)) for k, g in graphs.items()}
+    high = {k: boundary_level(g.problem, g.problem.all_saved()) for k, g in graphs.items()}
+    solves = 0
+
+    def attempt(level: float) -> StepPlan:
+        nonlocal solves
+        caps = {k: int(low[k] + level * (high[k] - low[k])) for k in graphs}
+        contexts = contexts_for(shapes, graphs, {k: graphs[k].held(caps[k]) for k in graphs}, caps)
+        decisions, feasible = {}, True
+        for k, g in graphs.items():
+            decisions[k], ok = solver(in_step(g.problem, contexts[k], g.target), g.target)
+            solves += 1
+            feasible = feasible and ok
+        lv = {k: GraphLevels.of(graphs[k].problem, decisions[k]) for k in graphs}
+        peak = step_peak(shapes, graphs, lv)
+        return StepPlan(dict(contexts), decisions, lv, peak, feasible and peak.bytes <= target, level, solves)
+
+    best = attempt(0.0)
+    if not best.feasible:
+        if best.peak.bytes >= peak.bytes:  # the step's own plans reach lower: keep them
+            return StepPlan(dict.fromkeys(graphs), dict(current), levels, peak, False, None, solves)
+        return best
+    lo, hi = 0.0, 1.0
+    top = attempt(1.0)
+    if top.feasible:
+        return top
+    for _ in range(LEVEL_PROBES):
+        mid = (lo + hi) / 2
+        tried = attempt(mid)
+        if tried.feasible:
+            lo, best = mid, tried
+        else:
+            hi = mid
+    return dataclasses.replace(best, solves=solves)

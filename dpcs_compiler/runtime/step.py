@@ -1,0 +1,283 @@
+"""Learning a training step's graphs, and planning them for one budget (`cost/step_model.py`).
+
+A graph compiled with a memory_budget (and budget_scope "step", the default) takes part: its dispatcher hands
+its calls to the `StepRecorder` while the recorder watches. For each forward call that builds an autograd
+graph, the recorder notes the graph, its parameters (by storage, counted once for the step) and the
+gradients already in `.grad` (earlier micro-batches), and hooks the call's backward node. When every hooked
+backward has run, one step is complete: its shape is the graphs in forward call order.
+
+The first step is run with each graph's own plan (planned alone, as compiled). At the first forward call after
+a step of a new shape, the recorder plans the step (`plan_step`) with each graph's memory problem, kept by
+its dispatcher: if the graphs' own plans fit the step, nothing changes; otherwise each graph gets a context
+(what the others hold around it, and a cap on what it holds itself) and switches, at its next call, to the
+variant compiled for it, between steps and without Dynamo, as runtime variants do. A step no plan fits raises
+`BudgetInfeasibleError` naming the smallest step peak reached and the graph that holds the most (or warns,
+under on_infeasible="best").
+
+Watching stops after `STABLE_STEPS` steps of shapes already planned for; a newly compiled graph, or a runtime
+decision that changes a graph's variant, starts it again (the step it starts in is partly seen and is not
+used). Shapes seen since the process started are all planned for, so steps that alternate between branches
+hold the budget on each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import warnings
+import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from dpcs_compiler.cost.step_model import GraphStep, StepContext, StepShape, boundary_level, plan_step
+from dpcs_compiler.debug.render import format_bytes
+from dpcs_compiler.report import _ON_CLEAR, StepRecord, add_step_record
+from dpcs_compiler.stages.job import BudgetInfeasibleError, describe_budget
+
+if TYPE_CHECKING:
+    from dpcs_compiler.runtime.variants import GraphDispatcher
+
+log = logging.getLogger("dpcs.step")
+
+STABLE_STEPS = 2  # complete steps of known shapes after which the recorder stops watching
+MAX_PENDING_CALLS = 100_000  # forward calls without their backwards after which a recording is dropped
+_step_ids = itertools.count()
+
+
+@dataclasses.dataclass
+class _Call:
+    dispatcher: GraphDispatcher
+    parameters: dict[int, int]  # storage pointer -> bytes
+    gradients: dict[int, int]  # parameter storage pointer -> bytes of the .grad it already has
+
+
+class StepRecorder:
+    """Watches the calls of the graphs that take part in step planning, and plans steps (module docs)."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every graph and step seen (their graphs stay as they are compiled)."""
+        for d in list(getattr(self, "participants", ())):
+            d._watch = False
+        self.participants: weakref.WeakSet[GraphDispatcher] = weakref.WeakSet()
+        self.calls: list[_Call] = []
+        self.pending = 0
+        self.partial = False
+        self.shapes: dict[tuple[str, ...], tuple[StepShape, list[weakref.ref[GraphDispatcher]]]] = {}
+        self.quiet = 0
+        self.to_plan = False
+        self.plans = 0
+
+    # -- watching ------------------------------------------------------------------------------------------
+    def arm(self, dispatcher: GraphDispatcher | None = None) -> None:
+        """Watch every participant from now on; a step already under way is partly seen and not used."""
+        if dispatcher is not None:
+            self.participants.add(dispatcher)
+        if any(not d._watch for d in self.participants if d is not dispatcher):
+            self.partial = True  # they may have run earlier in this step unseen
+        for d in self.participants:
+            d._watch = True
+        self.quiet = 0
+
+    def disarm(self) -> None:
+        for d in self.participants:
+            d._watch = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self.calls, self.pending = [], 0
+
+    def call(self, dispatcher: GraphDispatcher, args: Sequence[Any]) -> Any:
+        """Run one watched call, noting it when it starts an autograd graph."""
+        if not torch.is_grad_enabled():
+            return dispatcher._fn(*args)
+        if self.to_plan and self.pending == 0:
+            self.plan()  # between steps: at the first forward call after a complete one
+            if dispatcher._version != dispatcher.control.version:
+                dispatcher._select(args)
+        from torch._subclasses.fake_tensor import is_fake
+
+        parameters: dict[int, int] = {}
+        gradients: dict[int, int] = {}
+        for x in args:
+            if isinstance(x, torch.nn.Parameter):
+                if is_fake(x):
+                    return dispatcher._fn(*args)  # DDP's graph splitting runs its pieces on fakes first
+                storage = x.untyped_storage()
+                parameters[storage.data_ptr()] = storage.nbytes()
+                if x.grad is not None:
+                    gradients[storage.data_ptr()] = x.grad.untyped_storage().nbytes()
+        out = dispatcher._fn(*args)
+        node = next(
+            (t.grad_fn for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None), None
+        )
+        if node is None:
+            return out
+        if len(self.calls) >= MAX_PENDING_CALLS:
+            log.warning("dpcs: %d graph calls without their backwards; the step recording starts again", len(self.calls))
+            self._reset()
+            self.partial = True
+        self.calls.append(_Call(dispatcher, parameters, gradients))
+        self.pending += 1
+        node.register_hook(self._backward_done)
+        return out
+
+    def _backward_done(self, *_: Any) -> None:
+        self.pending -= 1
+        if self.pending > 0:
+            return
+        calls, partial = self.calls, self.partial
+        self._reset()
+        self.partial = False
+        if partial or not calls:
+            return
+        shape, refs = self._shape(calls)
+        if shape.instances in self.shapes and self.shapes[shape.instances][0] == shape:
+            self.quiet += 1
+            if self.quiet >= STABLE_STEPS:
+                log.info("dpcs: step order stable; step watching stops")
+                self.disarm()
+            return
+        self.shapes[shape.instances] = (shape, refs)
+        self.quiet = 0
+        self.to_plan = True
+
+    @staticmethod
+    def _shape(calls: list[_Call]) -> tuple[StepShape, list[weakref.ref[GraphDispatcher]]]:
+        parameters: dict[int, int] = {}
+        gradients: dict[int, int] = {}
+        for c in calls:
+            parameters.update(c.parameters)
+            gradients.update(c.gradients)
+        shape = StepShape(
+            instances=tuple(c.dispatcher.name for c in calls),
+            parameter_bytes=sum(parameters.values()),
+            outside_bytes=sum(gradients.values()),
+        )
+        return shape, [weakref.ref(c.dispatcher) for c in calls]
+
+    def provisional_context(self, example_inputs: Sequence[Any]) -> StepContext | None:
+        """For a graph compiled in the middle of a step (its order not known yet): what the graphs that ran
+        before it in this step hold, as their plans say (None at the start of a step, or if unknown)."""
+        if not self.calls or self.partial:
+            return None
+        try:
+            own = {x.untyped_storage().data_ptr() for x in example_inputs if isinstance(x, torch.nn.Parameter)}
+        except Exception:  # fake parameters (DDP's graph splitting): planned alone first
+            return None
+        held, parameters, gradients = 0, {}, {}
+        for c in self.calls:
+            graph = c.dispatcher.step_graph()
+            if graph is None:
+                return None
+            g, decisions = graph
+            held += g.held(boundary_level(g.problem, decisions))
+            parameters.update(c.parameters)
+            gradients.update(c.gradients)
+        common = sum(v for k, v in parameters.items() if k not in own) + sum(gradients.values())
+        return StepContext(forward_bytes=common + held, backward_bytes=common + held)
+
+    # -- planning ------------------------------------------------------------------------------------------
+    def plan(self) -> StepRecord | None:
+        """Plan every step shape seen for one budget and switch the graphs whose plans change."""
+        self.to_plan = False
+        dispatchers: dict[str, GraphDispatcher] = {}
+        shapes = []
+        for key, (shape, refs) in list(self.shapes.items()):
+            alive = [r() for r in refs]
+            if any(d is None for d in alive):  # a graph of this shape is gone (recompiled): the shape is stale
+                del self.shapes[key]
+                continue
+            shapes.append(shape)
+            dispatchers.update({d.name: d for d in alive})
+        if not shapes:
+            return None
+        graphs: dict[str, GraphStep] = {}
+        current: dict[str, tuple[str, ...]] = {}
+        for name, d in dispatchers.items():
+            step_graph = d.step_graph()
+            if step_graph is None:
+                warnings.warn(
+                    f"dpcs cannot plan the training step of {len(dispatchers)} graphs for one budget: {name} has no "
+                    "memory plan to re-make (it fell back, or is not a training graph); each graph keeps its own plan",
+                    stacklevel=4,
+                )
+                return None
+            graphs[name], current[name] = step_graph
+        plan = plan_step(shapes, graphs, current, _solve)
+        self.plans += 1
+        if plan.alone:
+            return None  # one graph: its own plan is the step's (its compile raised or warned already)
+        budget = min(int(d.current_budget_bytes or 0) for d in dispatchers.values()) or None
+        peak = plan.peak
+        peak_node = _node_name(dispatchers[peak.graph], peak.step)
+        holds_most = plan.holds_most(graphs)
+        record = StepRecord(
+            step=f"step_{next(_step_ids):03d}",
+            calls=list(shapes[peak.shape].instances),
+            budget_bytes=budget,
+            predicted_peak_bytes=peak.bytes,
+            peak_graph=peak.graph,
+            peak_node=peak_node,
+            peak_phase=peak.phase,
+            feasible=plan.feasible,
+            replanned=plan.level is not None,
+            holds_most=holds_most,
+            outside_bytes=max(s.outside_bytes for s in shapes),
+            shapes=len(shapes),
+            contexts={k: (c.to_json() if c else None) for k, c in plan.contexts.items()},
+        )
+        add_step_record(record)
+        log.info(
+            "dpcs: %s of %d graph calls: predicted peak %d B at %s (%s, %s)%s",
+            record.step, len(record.calls), peak.bytes, peak.graph, peak.phase, peak_node,
+            ", re-planned" if record.replanned else "",
+        )
+        if not plan.feasible:
+            held = graphs[holds_most].held(plan.levels[holds_most].boundary)
+            message = (
+                f"{describe_budget(budget or 0)} cannot be met for the training step of {len(record.calls)} graph calls "
+                f"({', '.join(_counted(record.calls))}): the smallest step peak dpcs can reach is "
+                f"{format_bytes(peak.bytes)} ({peak.bytes} B), in the {peak.phase} of {peak.graph} at {peak_node}; "
+                f"{holds_most} holds the most for its backward while the others run ({format_bytes(held)})"
+            )
+            if any(d.options.on_infeasible == "error" for d in dispatchers.values()):
+                raise BudgetInfeasibleError(f"{message}; raise the budget, or pass on_infeasible='best' to compile that plan")
+            warnings.warn(f"{message}; compiling that plan (on_infeasible='best')", stacklevel=4)
+        if plan.level is not None:
+            for name, d in dispatchers.items():
+                d.set_step_context(plan.contexts[name])
+        return record
+
+
+def _solve(problem: Any, target: int) -> tuple[tuple[str, ...], bool]:
+    from dpcs_compiler.solve import solve
+    from dpcs_compiler.solve.solution import measured_solution
+
+    solution = solve(problem, target) if problem.candidates else measured_solution(problem, (), target, "none", 0.0)
+    return solution.decisions, solution.feasible
+
+
+def _node_name(dispatcher: GraphDispatcher, step: int) -> str | None:
+    """The schedule node at `step` of the dispatcher's current plan (the plan's own problem, no boundary step)."""
+    job = dispatcher.current_job()
+    names = job.schedule_node_names if job is not None else ()
+    return names[step] if 0 <= step < len(names) else None
+
+
+def _counted(calls: Sequence[str]) -> list[str]:
+    """Graph names with their call counts, in first-call order."""
+    counts: dict[str, int] = {}
+    for c in calls:
+        counts[c] = counts.get(c, 0) + 1
+    return [f"{name} x{n}" if n > 1 else name for name, n in counts.items()]
+
+
+STEPS = StepRecorder()
+_ON_CLEAR.append(STEPS.reset)

@@ -1,0 +1,183 @@
+"""The step model on hand-made problems: one budget for the graphs of a step (no graphs, no torch)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dpcs_compiler.cost.memory_model import RECOMPUTE, SAVE, Candidate, MemoryProblem, plan_memory
+from dpcs_compiler.cost.step_model import (
+    GraphLevels,
+    GraphStep,
+    StepContext,
+    StepShape,
+    boundary_level,
+    contexts_for,
+    in_step,
+    lowest_boundary_decisions,
+    plan_step,
+    step_peak,
+)
+from dpcs_compiler.solve import solve
+from dpcs_compiler.solve.synthetic import random_problem
+
+
+def problem() -> MemoryProblem:
+    # 10 steps of 1 s, backward from step 5; base 100 B; "a" (50 B) and "b" (30 B) saved across the boundary.
+    return MemoryProblem(
+        base_bytes=np.full(10, 100),
+        step_seconds=np.ones(10),
+        backward_start=5,
+        candidates=(
+            Candidate("a", 50, 0, 1, 8, 9, recompute_seconds=1.0),
+            Candidate("b", 30, 1, 2, 6, 7, recompute_seconds=2.0),
+        ),
+    )
+
+
+def graph(name: str, p: MemoryProblem, *, target: int, parameters: int = 0, shared: int = 0, gradients: int = 0) -> GraphStep:
+    return GraphStep(name, p, target, parameters, shared, gradients)
+
+
+def solver(p: MemoryProblem, target: int) -> tuple[tuple[str, ...], bool]:
+    s = solve(p, target)
+    return s.decisions, s.feasible
+
+
+def test_in_step_adds_the_others_per_phase_and_a_boundary_step_for_the_cap():
+    p = problem()
+    assert in_step(p, None, 1000) is p
+    plain = in_step(p, StepContext(forward_bytes=7, backward_bytes=11), 1000)
+    assert plain.steps == p.steps
+    np.testing.assert_array_equal(plain.base_bytes, [107] * 5 + [111] * 5)
+    capped = in_step(p, StepContext(forward_bytes=7, backward_bytes=11, boundary_cap=150), 1000)
+    assert capped.steps == p.steps + 1 and capped.backward_start == 6
+    # The boundary step: the graph's own bytes there (base 100 + alive candidates) + target - cap.
+    saved = plan_memory(capped, (SAVE, SAVE)).bytes_during
+    assert saved[5] == 100 + 80 + 1000 - 150
+    recomputed = plan_memory(capped, (RECOMPUTE, RECOMPUTE)).bytes_during
+    assert recomputed[5] == 100 + 1000 - 150
+    # Backward steps moved one on, their candidates with them.
+    np.testing.assert_array_equal(saved[6:], plan_memory(plain, (SAVE, SAVE)).bytes_during[5:])
+
+
+def test_boundary_levels_and_the_lowest_plan():
+    p = problem()
+    assert boundary_level(p, (SAVE, SAVE)) == 180
+    assert boundary_level(p, (RECOMPUTE, SAVE)) == 130
+    assert lowest_boundary_decisions(p) == (RECOMPUTE, RECOMPUTE)
+    levels = GraphLevels.of(p, (SAVE, SAVE))
+    assert (levels.forward_peak, levels.backward_peak, levels.boundary) == (180, 180, 180)
+
+
+def test_a_plan_within_the_capped_problem_holds_no_more_than_the_cap():
+    p = problem()
+    for cap in (100, 130, 150, 180):
+        s = solve(in_step(p, StepContext(boundary_cap=cap), 400), 400)
+        assert s.feasible and boundary_level(p, s.decisions) <= cap
+    s = solve(in_step(p, StepContext(boundary_cap=99), 400), 400)
+    assert not s.feasible  # the base alone is 100 B
+
+
+def test_contexts_count_earlier_graphs_holdings_later_gradients_and_other_parameters():
+    p = problem()
+    graphs = {k: graph(k, p, target=10_000, parameters=40, shared=60, gradients=40) for k in "AB"}
+    shape = StepShape(instances=("A", "B", "B"), parameter_bytes=120, outside_bytes=5)
+    held = {"A": 70, "B": 20}
+    contexts = contexts_for([shape], graphs, held)
+    # A: first call, nothing earlier; its backward runs after both B calls left their gradients.
+    assert contexts["A"] == StepContext(forward_bytes=80 + 5, backward_bytes=80 + 5 + 80)
+    # B, worst call is the second: A and the first B hold theirs; in backward, no later gradient for it.
+    assert contexts["B"].forward_bytes == 80 + 5 + 70 + 20
+    assert contexts["B"].backward_bytes == max(80 + 5 + 70 + 40, 80 + 5 + 70 + 20)
+
+
+def test_step_peak_is_the_largest_call_and_names_it():
+    p = problem()
+    graphs = {k: graph(k, p, target=10_000, shared=100) for k in "AB"}
+    levels = {k: GraphLevels.of(p, (SAVE, SAVE)) for k in "AB"}
+    peak = step_peak([StepShape(("A", "B"), 0)], graphs, levels)
+    # B's calls run while A holds its 80 saved bytes (boundary 180 less 100 shared).
+    assert (peak.bytes, peak.graph, peak.instance) == (180 + 80, "B", 1)
+
+
+def test_plan_step_keeps_plans_that_already_fit_the_step():
+    p = problem()
+    graphs = {k: graph(k, p, target=10_000, shared=100) for k in "AB"}
+    plan = plan_step([StepShape(("A", "B"), 0)], graphs, {k: (SAVE, SAVE) for k in "AB"}, solver)
+    assert plan.feasible and plan.level is None and plan.solves == 0
+    assert plan.contexts == {"A": None, "B": None}
+
+
+def test_plan_step_splits_the_budget_so_the_whole_step_fits():
+    p = problem()
+    target = 230
+    graphs = {k: graph(k, p, target=target, shared=100) for k in "AB"}
+    current = {k: solver(p, target)[0] for k in "AB"}  # each alone: saves everything (peak 180)
+    shapes = [StepShape(("A", "B"), 0)]
+    assert step_peak(shapes, graphs, {k: GraphLevels.of(p, current[k]) for k in "AB"}).bytes > target
+    plan = plan_step(shapes, graphs, current, solver)
+    assert plan.feasible and plan.level is not None and plan.peak.bytes <= target
+    # Each graph's compile re-makes its plan in its context: within its target, and the step's peak with it.
+    for k, g in graphs.items():
+        decisions, ok = solver(in_step(g.problem, plan.contexts[k], g.target), g.target)
+        assert ok and decisions == plan.decisions[k]
+    assert step_peak(shapes, graphs, plan.levels) == plan.peak
+
+
+def test_plan_step_reports_the_smallest_step_peak_when_nothing_fits():
+    p = problem()
+    graphs = {k: graph(k, p, target=150, shared=100) for k in "AB"}
+    plan = plan_step([StepShape(("A", "B"), 0)], graphs, {k: (SAVE, SAVE) for k in "AB"}, solver)
+    assert not plan.feasible and plan.level == 0.0
+    assert plan.peak.bytes > 150
+    assert plan.holds_most(graphs) in graphs
+
+
+def test_plan_step_rejects_a_call_of_a_graph_it_has_no_plan_for():
+    with pytest.raises(ValueError, match="without a plan"):
+        plan_step([StepShape(("A", "X"), 0)], {"A": graph("A", problem(), target=1)}, {"A": (SAVE, SAVE)}, solver)
+
+
+def test_step_context_validates():
+    with pytest.raises(ValueError, match="forward_bytes"):
+        StepContext(forward_bytes=-1)
+    with pytest.raises(ValueError, match="boundary_cap"):
+        StepContext(boundary_cap=True)
+    with pytest.raises(ValueError, match="step_context"):
+        StepContext.parse({"cap": 3})
+    assert StepContext.parse({"forward_bytes": 3}) == StepContext(forward_bytes=3)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_steps_fit_at_every_budget_between_lowest_and_unplanned(seed):
+    """Three graphs, one called twice: every feasible step plan has its predicted step peak within the
+    target, and lower targets never give a higher peak than the target."""
+    rng = np.random.default_rng(seed)
+    problems = {k: random_problem(seed * 10 + i, steps=60, candidates=8, can_offload=False) for i, k in enumerate("ABC")}
+    graphs = {}
+    for k, p in problems.items():
+        shared = int(p.base_before_bytes[p.backward_start] * rng.uniform(0.3, 0.9))
+        graphs[k] = GraphStep(k, p, 0, int(rng.integers(1, 4)) << 20, shared, int(rng.integers(1, 4)) << 20)
+    shape = StepShape(("A", "B", "B", "C"), parameter_bytes=sum(g.parameter_bytes for g in graphs.values()) + (2 << 20))
+    lowest = {k: lowest_boundary_decisions(p) for k, p in problems.items()}
+    saved = {k: p.all_saved() for k, p in problems.items()}
+    low = step_peak([shape], graphs, {k: GraphLevels.of(problems[k], lowest[k]) for k in graphs}).bytes
+    high = step_peak([shape], graphs, {k: GraphLevels.of(problems[k], saved[k]) for k in graphs}).bytes
+    replanned = 0
+    for fraction in (1.0, 0.9, 0.8, 0.5):
+        target = int(low + fraction * (high - low))
+        with_target = {k: GraphStep(k, g.problem, target, g.parameter_bytes, g.shared_bytes, g.gradient_bytes) for k, g in graphs.items()}
+        plan = plan_step([shape], with_target, saved, solver)
+        assert plan.feasible or fraction < 0.9, "a tenth of the range above the lowest step peak is reachable"
+        if plan.feasible:
+            assert plan.peak.bytes <= target
+            assert step_peak([shape], with_target, plan.levels).bytes == plan.peak.bytes
+            replanned += plan.level is not None
+    assert replanned >= 1
+
+
+def test_a_step_of_one_call_is_its_graphs_own_plan_even_over_the_budget():
+    p = problem()
+    plan = plan_step([StepShape(("A",), 0)], {"A": graph("A", p, target=50)}, {"A": (SAVE, SAVE)}, solver)
+    assert plan.level is None and not plan.feasible and plan.solves == 0 and plan.contexts == {"A": None}

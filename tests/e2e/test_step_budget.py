@@ -1,0 +1,147 @@
+"""One budget for a whole training step of several graphs (issue 14), end to end on CPU, measured with the
+profiler: a model with two graph breaks (a data-dependent branch and a `print`) gives three graphs per step.
+
+- at three budgets between the lowest reachable step peak and the step's peak without a budget, the
+  measured peak of the whole step stays within the budget, and gradients match eager;
+- each graph planned alone against the whole budget (budget_scope="graph", what dpcs did before) goes over
+  at least one of them: what step planning fixes;
+- a step no plan fits raises, naming the smallest step peak and the graph that holds the most;
+- both sides of the data-dependent branch hold the budget when steps alternate between them.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from dpcs_testing import dpcs_compile
+from dpcs_compiler import clear_compile_records, compile_records
+from dpcs_compiler.cost.budget import WORKSPACE_FRACTION
+from dpcs_compiler.measure import measure_peak_memory, measure_training_step, resident_bytes
+from dpcs_compiler.models import workload
+from dpcs_compiler.report import step_records
+from dpcs_compiler.stages.job import BudgetInfeasibleError
+
+BATCH = 1024
+
+
+def breaks_workload():
+    return workload("breaks", BATCH)
+
+
+def run(w, **options):
+    """Compile afresh, run until the step plan is in place, measure one step: (measured peak, step records)."""
+    torch._dynamo.reset()
+    clear_compile_records()
+    compiled = dpcs_compile(w.model, **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = measure_training_step(w.model, compiled, w.inputs, loss_fn=w.loss_fn, warmup=3, repeats=1)
+    assert result.graphs >= 3
+    return result.measured_peak_bytes, step_records(), compiled
+
+
+def eager_gradients(w):
+    w.model.zero_grad(set_to_none=True)
+    w.loss_fn(w.model(*w.inputs)).backward()
+    return {n: p.grad.clone() for n, p in w.model.named_parameters()}
+
+
+def compiled_gradients(w, compiled):
+    w.model.zero_grad(set_to_none=True)
+    w.loss_fn(compiled(*w.inputs)).backward()
+    return {n: p.grad.clone() for n, p in w.model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def step_range():
+    """(lowest step peak dpcs reaches, measured peak without a budget) of the workload, and its gradients."""
+    torch.manual_seed(0)
+    w = breaks_workload()
+    unplanned, _, _ = run(w)
+    _, records, _ = run(w, memory_budget=1, on_infeasible="best")
+    lowest = records[-1].predicted_peak_bytes
+    return w, lowest, unplanned, eager_gradients(w)
+
+
+def test_graph_breaks_hold_the_step_budget_where_per_graph_plans_do_not(step_range):
+    w, lowest, unplanned, expected = step_range
+    floor = math.ceil(lowest / (1 - WORKSPACE_FRACTION)) + 1
+    assert floor < unplanned
+    budgets = [int(floor + f * (unplanned - floor)) for f in (0.05, 0.5, 0.9)]
+    exceeded = []
+    for budget in budgets:
+        per_graph, _, _ = run(w, memory_budget=budget, budget_scope="graph")
+        measured, records, compiled = run(w, memory_budget=budget)
+        (record,) = records
+        print(f"budget {budget} B: step plan measured {measured} B (predicted {record.predicted_peak_bytes} B), "
+              f"per-graph plans measured {per_graph} B")
+        assert record.feasible and len(record.calls) == 3
+        assert measured <= budget
+        # The step's prediction is an upper bound within 5% of the measured peak.
+        assert measured <= record.predicted_peak_bytes <= 1.05 * measured
+        torch.testing.assert_close(compiled_gradients(w, compiled), expected)
+        exceeded.append(per_graph > budget)
+    assert any(exceeded), "each graph planned alone fits all three budgets: the test shows nothing"
+
+
+def test_the_step_record_names_the_peak_and_each_graphs_context(step_range):
+    w, lowest, unplanned, _ = step_range
+    budget = (lowest + unplanned) // 2
+    _, (record,), _ = run(w, memory_budget=budget)
+    training = [r.graph for r in compile_records() if r.mode == "training"]
+    assert record.calls == training[:3] and record.peak_graph in record.calls and record.peak_node
+    assert record.peak_phase in ("forward", "backward") and record.budget_bytes == budget
+    # The variants compiled for the step carry their contexts: the last graph runs while the first two hold theirs.
+    replanned = [r for r in compile_records() if r.mode == "training"][3:]
+    assert [r.step_context for r in replanned] == [record.contexts[g] for g in record.calls]
+    assert replanned[-1].step_context["forward_bytes"] > replanned[0].step_context["forward_bytes"]
+
+
+def test_no_step_plan_fits_names_the_smallest_step_peak_and_the_graph_that_holds_most(step_range):
+    w, lowest, _, _ = step_range
+    torch._dynamo.reset()
+    clear_compile_records()
+    budget = int(lowest * 0.97)
+    # Each graph alone fits this budget; the step does not.
+    compiled = dpcs_compile(w.model, memory_budget=budget)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        w.loss_fn(compiled(*w.inputs)).backward()
+    with pytest.raises(BudgetInfeasibleError, match=r"training step of 3 graph calls.*smallest step peak.*holds the most"):
+        compiled(*w.inputs)
+
+
+def test_both_sides_of_a_data_dependent_branch_hold_the_budget(step_range):
+    w, lowest, unplanned, _ = step_range
+    budget = int(lowest + 0.3 * (unplanned - lowest))
+    torch._dynamo.reset()
+    clear_compile_records()
+    compiled = dpcs_compile(w.model, memory_budget=budget)
+    (x,) = w.inputs
+    sides = [x + 10, x - 10]  # the first stack's output sums to > 0, then < 0: both sides of the branch
+    with torch.no_grad():
+        assert [bool(w.model.first(s).sum() > 0) for s in sides] == [True, False]
+    baseline = resident_bytes([*w.model.parameters(), x])
+
+    def step(inp):
+        w.model.zero_grad(set_to_none=True)
+        w.loss_fn(compiled(inp)).backward()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            for inp in sides:
+                step(inp)
+        peaks = []
+        for inp in sides:
+            w.model.zero_grad(set_to_none=True)
+            _, peak = measure_peak_memory(step, inp)
+            peaks.append(peak.absolute(baseline))
+    records = step_records()
+    assert records[-1].shapes == 2, "both branches' steps were planned together"
+    assert all(r.feasible for r in records)
+    assert max(peaks) <= budget, (peaks, budget)
