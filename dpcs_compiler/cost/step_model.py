@@ -15,7 +15,8 @@ planning works on its own `MemoryProblem`; this module adds the others as a `Ste
 
 `plan_step` chooses the caps: each graph's boundary level lies between its lowest (everything that can be
 recomputed or offloaded is) and its highest (everything saved); one fraction `level` of that range for all
-graphs, the largest for which every graph has a plan within the budget, found by bisection. The step's
+graphs, the largest for which every graph has a plan within the budget, found on a grid and refined by
+bisection (feasibility is not monotone near the lowest level: recomputing everything raises backward peaks). The step's
 predicted peak is then one number, the largest over its graph instances of own peak plus context, with the
 graph and node where it happens.
 
@@ -31,7 +32,9 @@ import numpy as np
 
 from dpcs_compiler.cost.memory_model import OFFLOAD, RECOMPUTE, SAVE, MemoryProblem, plan_memory
 
-LEVEL_PROBES = 10  # bisection steps on the shared level (1/1024 of each graph's range)
+LEVEL_GRID = 8  # the shared level is tried at 0, 1/8, ..., 1
+TARGET_PROBES = 8  # bisection steps on the target for the smallest step peak, when no plan fits
+LEVEL_PROBES = 6  # then bisected between the highest feasible grid level and the next (1/512 of each range)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,15 +44,17 @@ class StepContext:
     forward_bytes: int = 0
     backward_bytes: int = 0
     boundary_cap: int | None = None
+    target: int | None = None  # the peak to plan for, when no step plan fits the budget: the lowest reached
 
     def __post_init__(self) -> None:
         for name in ("forward_bytes", "backward_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"StepContext.{name}={value!r} is not valid; valid choices: bytes as an int >= 0")
-        cap = self.boundary_cap
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
-            raise ValueError(f"StepContext.boundary_cap={cap!r} is not valid; valid choices: None or bytes as an int >= 0")
+        for name in ("boundary_cap", "target"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"StepContext.{name}={value!r} is not valid; valid choices: None or bytes as an int >= 0")
 
     def to_json(self) -> dict[str, int | None]:
         return dataclasses.asdict(self)
@@ -62,7 +67,7 @@ class StepContext:
             return cls(**value)
         raise ValueError(
             f"dpcs option 'step_context'={value!r} is not valid; valid choices: None, or a dict with keys "
-            "'forward_bytes', 'backward_bytes', 'boundary_cap' (set by dpcs's step planner)"
+            "'forward_bytes', 'backward_bytes', 'boundary_cap', 'target' (set by dpcs's step planner)"
         )
 
 
@@ -175,6 +180,15 @@ class StepShape:
     instances: tuple[str, ...]
     parameter_bytes: int
     outside_bytes: int = 0
+    # Per call (empty: none): bytes of its inputs that an earlier call of the step already holds (counted
+    # there, not again while this call runs), and the part of those this call holds itself too.
+    inputs_held_before: tuple[int, ...] = ()
+    held_twice: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("inputs_held_before", "held_twice"):
+            if getattr(self, name) and len(getattr(self, name)) != len(self.instances):
+                raise ValueError(f"StepShape.{name} needs one entry per call")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,9 +207,13 @@ def _calls(shapes: Sequence[StepShape], graphs: Mapping[str, GraphStep], held: M
     """Per call of every shape: (shape index, call index, graph key, what the others hold in its forward,
     what they hold in its backward)."""
     for s, shape in enumerate(shapes):
+        n = len(shape.instances)
+        before = shape.inputs_held_before or (0,) * n
+        twice = shape.held_twice or (0,) * n
+        kept = [max(0, held[k] - twice[j]) for j, k in enumerate(shape.instances)]  # each call's own holdings
         for i, key in enumerate(shape.instances):
             common = max(0, shape.parameter_bytes - graphs[key].parameter_bytes) + shape.outside_bytes
-            earlier = sum(held[k] for k in shape.instances[:i])
+            earlier = max(0, sum(kept[:i]) - before[i])  # its inputs held by an earlier call: counted as its own
             later_gradients = sum(graphs[k].gradient_bytes for k in shape.instances[i + 1 :])
             yield s, i, key, common + earlier, common + earlier + later_gradients
 
@@ -271,9 +289,9 @@ def plan_step(
 
     `current` holds each graph's plan as compiled. If those already fit the step (every call's own peak plus
     what the others hold stays within its target), nothing changes (`level` None, `contexts` None each); a
-    step of one call with nothing alive around it is that graph's own plan. Otherwise the shared
-    level is bisected (see the module docs); if even the lowest level has no plan, the result is infeasible,
-    with the plans of the lowest level (the smallest step peak this method reaches).
+    step of one call with nothing alive around it is that graph's own plan. Otherwise the highest shared
+    level with a plan is searched (`_LevelSearch`); if no level has one, the result is infeasible, with the
+    plans of the smallest step peak found (by bisection on the target).
     """
     missing = {k for shape in shapes for k in shape.instances if k not in graphs}
     if missing or not shapes:
@@ -284,37 +302,82 @@ def plan_step(
     alone = all(len(s.instances) == 1 and s.outside_bytes == 0 for s in shapes) and len(graphs) == 1
     if peak.bytes <= target or alone:
         return StepPlan(dict.fromkeys(graphs), dict(current), levels, peak, peak.bytes <= target, None, 0, alone)
-    low = {k: boundary_level(g.problem, lowest_boundary_decisions(g.problem)) for k, g in graphs.items()}
-    high = {k: boundary_level(g.problem, g.problem.all_saved()) for k, g in graphs.items()}
-    solves = 0
+    search = _LevelSearch(shapes, graphs, solver)
+    found = search.at(target)
+    if found is not None:
+        return dataclasses.replace(found, solves=search.solves)
+    # No plan fits: the smallest step peak reachable, by bisection on the target (the step's own plans reach
+    # `peak`), so the error names it and on_infeasible="best" compiles that plan.
+    lowest, found_at, lo, hi = None, 0, target, peak.bytes
+    for _ in range(TARGET_PROBES):
+        mid = (lo + hi) // 2
+        if mid <= lo:
+            break
+        plan = search.at(mid)
+        if plan is None:
+            lo = mid
+        else:
+            hi, lowest, found_at = plan.peak.bytes, plan, mid
+    if lowest is None or lowest.peak.bytes >= peak.bytes:
+        return StepPlan(dict.fromkeys(graphs), dict(current), levels, peak, False, None, search.solves)
+    # Each graph is compiled for the target that plan was found at (its compile re-makes the same plan).
+    contexts = {k: dataclasses.replace(c, target=found_at) for k, c in lowest.contexts.items()}
+    return dataclasses.replace(lowest, contexts=contexts, feasible=False, solves=search.solves)
 
-    def attempt(level: float) -> StepPlan:
-        nonlocal solves
-        caps = {k: int(low[k] + level * (high[k] - low[k])) for k in graphs}
-        contexts = contexts_for(shapes, graphs, {k: graphs[k].held(caps[k]) for k in graphs}, caps)
+
+class _LevelSearch:
+    """Plans of the step at one shared level of every graph's boundary range (module docs), per target."""
+
+    def __init__(self, shapes: Sequence[StepShape], graphs: Mapping[str, GraphStep], solver: Solver) -> None:
+        self.shapes, self.graphs, self.solver = shapes, graphs, solver
+        self.low = {k: boundary_level(g.problem, lowest_boundary_decisions(g.problem)) for k, g in graphs.items()}
+        self.high = {k: boundary_level(g.problem, g.problem.all_saved()) for k, g in graphs.items()}
+        self.solves = 0
+        self.memo: dict[tuple, tuple[tuple[str, ...], bool]] = {}  # graphs repeated in a step: equal problems
+
+    def solved(self, g: GraphStep, context: StepContext, target: int) -> tuple[tuple[str, ...], bool]:
+        key = (_problem_key(g.problem), context, target)
+        if key not in self.memo:
+            self.memo[key] = self.solver(in_step(g.problem, context, target), target)
+            self.solves += 1
+        return self.memo[key]
+
+    def attempt(self, level: float, target: int) -> StepPlan:
+        graphs = self.graphs
+        caps = {k: int(self.low[k] + level * (self.high[k] - self.low[k])) for k in graphs}
+        contexts = contexts_for(self.shapes, graphs, {k: graphs[k].held(caps[k]) for k in graphs}, caps)
         decisions, feasible = {}, True
         for k, g in graphs.items():
-            decisions[k], ok = solver(in_step(g.problem, contexts[k], g.target), g.target)
-            solves += 1
+            decisions[k], ok = self.solved(g, contexts[k], target)
             feasible = feasible and ok
         lv = {k: GraphLevels.of(graphs[k].problem, decisions[k]) for k in graphs}
-        peak = step_peak(shapes, graphs, lv)
-        return StepPlan(dict(contexts), decisions, lv, peak, feasible and peak.bytes <= target, level, solves)
+        peak = step_peak(self.shapes, graphs, lv)
+        return StepPlan(dict(contexts), decisions, lv, peak, feasible and peak.bytes <= target, level, self.solves)
 
-    best = attempt(0.0)
-    if not best.feasible:
-        if best.peak.bytes >= peak.bytes:  # the step's own plans reach lower: keep them
-            return StepPlan(dict.fromkeys(graphs), dict(current), levels, peak, False, None, solves)
+    def at(self, target: int) -> StepPlan | None:
+        """The plan of the highest feasible level within `target`, or None if no level fits. Holding least
+        between phases does not give the lowest peaks (recomputing everything raises backward peaks): levels
+        are tried on a grid first, then the highest feasible one is refined by bisection."""
+        fits = [t for t in (self.attempt(i / LEVEL_GRID, target) for i in range(LEVEL_GRID + 1)) if t.feasible]
+        if not fits:
+            return None
+        best = fits[-1]
+        lo, hi = best.level, min(1.0, best.level + 1 / LEVEL_GRID)
+        for _ in range(LEVEL_PROBES if best.level < 1.0 else 0):
+            mid = (lo + hi) / 2
+            tried = self.attempt(mid, target)
+            if tried.feasible:
+                lo, best = mid, tried
+            else:
+                hi = mid
         return best
-    lo, hi = 0.0, 1.0
-    top = attempt(1.0)
-    if top.feasible:
-        return top
-    for _ in range(LEVEL_PROBES):
-        mid = (lo + hi) / 2
-        tried = attempt(mid)
-        if tried.feasible:
-            lo, best = mid, tried
-        else:
-            hi = mid
-    return dataclasses.replace(best, solves=solves)
+
+
+def _problem_key(problem: MemoryProblem) -> tuple:
+    return (
+        problem.base_bytes.tobytes(),
+        problem.base_before_bytes.tobytes(),
+        problem.step_seconds.tobytes(),
+        problem.backward_start,
+        problem.candidates,
+    )

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.utils._pytree as pytree
 
+from dpcs_compiler import rank_agreement
 from dpcs_compiler.cost.step_model import GraphStep, StepContext, StepShape, boundary_level, plan_step
 from dpcs_compiler.debug.render import format_bytes
 from dpcs_compiler.report import _ON_CLEAR, StepRecord, add_step_record
@@ -53,6 +54,9 @@ class _Call:
     dispatcher: GraphDispatcher
     parameters: dict[int, int]  # storage pointer -> bytes
     gradients: dict[int, int]  # parameter storage pointer -> bytes of the .grad it already has
+    inputs: dict[int, int]  # its other tensor inputs: storage pointer -> bytes
+    held: dict[int, int]  # inputs and outputs its backward reads (it holds them): storage pointer -> bytes
+    outside: dict[int, int]  # memory of the step outside graphs, by owner (DDP's gradient buckets)
 
 
 class StepRecorder:
@@ -105,25 +109,41 @@ class StepRecorder:
 
         parameters: dict[int, int] = {}
         gradients: dict[int, int] = {}
-        for x in args:
+        inputs: dict[int, int] = {}
+        held: dict[int, int] = {}
+        job = dispatcher.current_job()
+        sharing = job.sharing if job is not None else None
+        outside, bucket_views = _ddp_buckets()
+        held_inputs = frozenset(sharing.held_inputs) if sharing is not None else frozenset()
+        for i, x in enumerate(args):
+            if not isinstance(x, torch.Tensor):
+                continue
+            if is_fake(x):
+                return dispatcher._fn(*args)  # DDP's graph splitting runs its pieces on fakes first
+            storage = x.untyped_storage()
             if isinstance(x, torch.nn.Parameter):
-                if is_fake(x):
-                    return dispatcher._fn(*args)  # DDP's graph splitting runs its pieces on fakes first
-                storage = x.untyped_storage()
                 parameters[storage.data_ptr()] = storage.nbytes()
-                if x.grad is not None:
+                if x.grad is not None and not bucket_views:  # (views of DDP's buckets are counted with them)
                     gradients[storage.data_ptr()] = x.grad.untyped_storage().nbytes()
+                continue
+            inputs[storage.data_ptr()] = storage.nbytes()
+            if i in held_inputs:
+                held[storage.data_ptr()] = storage.nbytes()
         out = dispatcher._fn(*args)
-        node = next(
-            (t.grad_fn for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None), None
-        )
+        leaves = pytree.tree_leaves(out)
+        node = next((t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
         if node is None:
             return out
+        outputs = [t for t in leaves if isinstance(t, torch.Tensor)]
+        for i in sharing.held_outputs if sharing is not None else ():
+            if i < len(outputs):
+                storage = outputs[i].untyped_storage()
+                held[storage.data_ptr()] = storage.nbytes()
         if len(self.calls) >= MAX_PENDING_CALLS:
             log.warning("dpcs: %d graph calls without their backwards; the step recording starts again", len(self.calls))
             self._reset()
             self.partial = True
-        self.calls.append(_Call(dispatcher, parameters, gradients))
+        self.calls.append(_Call(dispatcher, parameters, gradients, inputs, held, outside))
         self.pending += 1
         node.register_hook(self._backward_done)
         return out
@@ -152,13 +172,22 @@ class StepRecorder:
     def _shape(calls: list[_Call]) -> tuple[StepShape, list[weakref.ref[GraphDispatcher]]]:
         parameters: dict[int, int] = {}
         gradients: dict[int, int] = {}
+        held_before: set[int] = set()  # storages an earlier call holds for its backward
+        inputs_held_before, held_twice = [], []
+        outside: dict[int, int] = {}
         for c in calls:
             parameters.update(c.parameters)
             gradients.update(c.gradients)
+            outside.update(c.outside)
+            inputs_held_before.append(sum(n for p, n in c.inputs.items() if p in held_before))
+            held_twice.append(sum(n for p, n in c.held.items() if p in held_before and p in c.inputs))
+            held_before.update(c.held)
         shape = StepShape(
             instances=tuple(c.dispatcher.name for c in calls),
             parameter_bytes=sum(parameters.values()),
-            outside_bytes=sum(gradients.values()),
+            outside_bytes=sum(gradients.values()) + sum(outside.values()),
+            inputs_held_before=tuple(inputs_held_before),
+            held_twice=tuple(held_twice),
         )
         return shape, [weakref.ref(c.dispatcher) for c in calls]
 
@@ -198,6 +227,34 @@ class StepRecorder:
             dispatchers.update({d.name: d for d in alive})
         if not shapes:
             return None
+        # In a distributed job rank 0 plans and every rank applies its plan (the ranks run the same graphs).
+        agreeing = rank_agreement.world() is not None and all(d.options.rank_agreement for d in dispatchers.values())
+
+        def decide() -> tuple[StepRecord | None, str | None]:
+            return self._decide(shapes, dispatchers)
+
+        record, message = rank_agreement.from_rank_zero(decide, "step plan") if agreeing else decide()
+        self.plans += 1
+        if record is None:
+            return None
+        add_step_record(record)
+        log.info(
+            "dpcs: %s of %d graph calls: predicted peak %d B at %s (%s, %s)%s",
+            record.step, len(record.calls), record.predicted_peak_bytes, record.peak_graph, record.peak_phase,
+            record.peak_node, ", re-planned" if record.replanned else "",
+        )
+        if message is not None:
+            if any(d.options.on_infeasible == "error" for d in dispatchers.values()):
+                raise BudgetInfeasibleError(f"{message}; raise the budget, or pass on_infeasible='best' to compile that plan")
+            warnings.warn(f"{message}; compiling that plan (on_infeasible='best')", stacklevel=4)
+        if record.replanned:
+            for name, d in dispatchers.items():
+                d.set_step_context(StepContext.parse(record.contexts.get(name)))
+        return record
+
+    @staticmethod
+    def _decide(shapes: list[StepShape], dispatchers: dict[str, GraphDispatcher]) -> tuple[StepRecord | None, str | None]:
+        """The step plan as a record, and the error message when no plan fits (None when it does)."""
         graphs: dict[str, GraphStep] = {}
         current: dict[str, tuple[str, ...]] = {}
         for name, d in dispatchers.items():
@@ -206,14 +263,13 @@ class StepRecorder:
                 warnings.warn(
                     f"dpcs cannot plan the training step of {len(dispatchers)} graphs for one budget: {name} has no "
                     "memory plan to re-make (it fell back, or is not a training graph); each graph keeps its own plan",
-                    stacklevel=4,
+                    stacklevel=5,
                 )
-                return None
+                return None, None
             graphs[name], current[name] = step_graph
         plan = plan_step(shapes, graphs, current, _solve)
-        self.plans += 1
         if plan.alone:
-            return None  # one graph: its own plan is the step's (its compile raised or warned already)
+            return None, None  # one graph: its own plan is the step's (its compile raised or warned already)
         budget = min(int(d.current_budget_bytes or 0) for d in dispatchers.values()) or None
         peak = plan.peak
         peak_node = _node_name(dispatchers[peak.graph], peak.step)
@@ -233,27 +289,28 @@ class StepRecorder:
             shapes=len(shapes),
             contexts={k: (c.to_json() if c else None) for k, c in plan.contexts.items()},
         )
-        add_step_record(record)
-        log.info(
-            "dpcs: %s of %d graph calls: predicted peak %d B at %s (%s, %s)%s",
-            record.step, len(record.calls), peak.bytes, peak.graph, peak.phase, peak_node,
-            ", re-planned" if record.replanned else "",
+        if plan.feasible:
+            return record, None
+        held = graphs[holds_most].held(plan.levels[holds_most].boundary)
+        message = (
+            f"{describe_budget(budget or 0)} cannot be met for the training step of {len(record.calls)} graph calls "
+            f"({', '.join(_counted(record.calls))}): the smallest step peak dpcs can reach is "
+            f"{format_bytes(peak.bytes)} ({peak.bytes} B), in the {peak.phase} of {peak.graph} at {peak_node}; "
+            f"{holds_most} holds the most for its backward while the others run ({format_bytes(held)})"
         )
-        if not plan.feasible:
-            held = graphs[holds_most].held(plan.levels[holds_most].boundary)
-            message = (
-                f"{describe_budget(budget or 0)} cannot be met for the training step of {len(record.calls)} graph calls "
-                f"({', '.join(_counted(record.calls))}): the smallest step peak dpcs can reach is "
-                f"{format_bytes(peak.bytes)} ({peak.bytes} B), in the {peak.phase} of {peak.graph} at {peak_node}; "
-                f"{holds_most} holds the most for its backward while the others run ({format_bytes(held)})"
-            )
-            if any(d.options.on_infeasible == "error" for d in dispatchers.values()):
-                raise BudgetInfeasibleError(f"{message}; raise the budget, or pass on_infeasible='best' to compile that plan")
-            warnings.warn(f"{message}; compiling that plan (on_infeasible='best')", stacklevel=4)
-        if plan.level is not None:
-            for name, d in dispatchers.items():
-                d.set_step_context(plan.contexts[name])
-        return record
+        return record, message
+
+
+def _ddp_buckets() -> tuple[dict[int, int], bool]:
+    """Inside a DistributedDataParallel forward: its gradient buckets ({id: bytes}; one flat copy of every
+    gradient, allocated when DDP was made and alive throughout), and whether `.grad`s are views of them."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel._get_active_ddp_module()
+    if ddp is None:
+        return {}, False
+    nbytes = sum(p.numel() * p.element_size() for p in ddp.module.parameters() if p.requires_grad)
+    return {id(ddp): nbytes}, bool(getattr(ddp, "gradient_as_bucket_view", False))
 
 
 def _solve(problem: Any, target: int) -> tuple[tuple[str, ...], bool]:

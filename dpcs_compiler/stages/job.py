@@ -230,14 +230,14 @@ class GraphJob:
         memory = plan_memory(self.in_step(problem, capped=True), self.plan.decisions)
         if self.provisional and not final:
             return
-        if self.provisional and memory.peak_bytes <= planning_target(budget):
+        if self.provisional and memory.peak_bytes <= self.target:
             # The lowest plan, over by another plan's excess, fits by its own compiled graphs.
             self.ctx.plan = dataclasses.replace(self.plan, feasible=True)
             self.record.plan_feasible = True
             self.provisional = False
             self.finish()
             return
-        if memory.peak_bytes <= planning_target(budget) or not (self.plan.feasible or self.provisional):
+        if memory.peak_bytes <= self.target or not (self.plan.feasible or self.provisional):
             return
         if self.replanning and self.record.replans < MAX_SCHEDULE_REPLANS and not self.provisional:
             raise ScheduleOverBudget(excess)
@@ -265,8 +265,17 @@ class GraphJob:
         context = self.options.step_context
         if context is not None and not capped:
             context = dataclasses.replace(context, boundary_cap=None)
+        return in_step(problem, context, self.target)
+
+    @property
+    def target(self) -> int:
+        """The peak this graph's plans are held to: the budget less the workspace allowance, or, when no plan
+        of its step fits the budget, the lowest step plan's (`StepContext.target`)."""
+        context = self.options.step_context
+        if context is not None and context.target is not None:
+            return context.target
         budget = self.budget_bytes if self.budget_bytes is not None else self.plan.budget_bytes
-        return in_step(problem, context, planning_target(budget) if budget is not None else 0)
+        return planning_target(budget) if budget is not None else 0
 
     def step_graph(self) -> tuple[GraphStep, tuple[str, ...]] | None:
         """This training graph as the step planner sees it, with its plan's decisions; None without a plan."""
@@ -277,7 +286,7 @@ class GraphJob:
         graph = GraphStep(
             name=self.record.graph,
             problem=problem,
-            target=planning_target(self.budget_bytes),
+            target=planning_target(self.budget_bytes),  # the budget's (a step plan's target is its own)
             parameter_bytes=self.sharing.parameter_bytes,
             shared_bytes=self.sharing.shared_bytes,
             gradient_bytes=self.sharing.gradient_bytes,

@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 
 from dpcs_compiler import rank_agreement
-from dpcs_compiler.cost.budget import DeviceMemory, planning_target, resolve_budget
+from dpcs_compiler.cost.budget import DeviceMemory, resolve_budget
 from dpcs_compiler.cost.hardware import HardwareProfile
 from dpcs_compiler.cost.memory_model import OFFLOAD, RECOMPUTE, SAVE, plan_memory
 from dpcs_compiler.cost.op_time import node_seconds, transfer_seconds
@@ -99,7 +99,7 @@ def plan_memory_budget(job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: in
     with ctx.instrumented("plan", "solve"):
         # A graph whose backward reads nothing of the forward has nothing to decide.
         # Plans are held to the budget less an allowance for memory kernels allocate inside themselves.
-        target = planning_target(budget)
+        target = job.target  # the budget less a workspace allowance (or the step plan's, `StepContext.target`)
         # In a step of several graphs: the others' bytes around this one, and the cap on what it holds
         # between its forward and backward (`cost/step_model.py`).
         held = in_step(problem, options.step_context, target)

@@ -296,6 +296,10 @@ class StepSharing:
     parameter_bytes: int
     shared_bytes: int
     gradient_bytes: int
+    # Which of the graph's inputs (positions) and forward outputs its backward reads: the same tensor can be
+    # held by two graphs of a step (one's output another's input, both saved), counted once (`runtime/step.py`).
+    held_inputs: tuple[int, ...] = ()
+    held_outputs: tuple[int, ...] = ()
 
 
 def step_sharing(planning: PlanningGraph, num_fwd_outputs: int) -> StepSharing:
@@ -324,8 +328,18 @@ def step_sharing(planning: PlanningGraph, num_fwd_outputs: int) -> StepSharing:
     (joint,) = schedule.graphs[:1]
     primals = [n for n in joint.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
     output = next(n for n in reversed(joint.graph.nodes) if n.op == "output")
-    grads = list(pytree.tree_leaves(output.args[0], is_leaf=lambda x: x is None))[num_fwd_outputs:]
-    for primal, grad in zip(primals, grads):
+    outputs = list(pytree.tree_leaves(output.args[0], is_leaf=lambda x: x is None))
+    for primal, grad in zip(primals, outputs[num_fwd_outputs:]):
         if primal in schedule.parameters and isinstance(grad, fx.Node):
             gradients += sum(live.hint(b) for b in live.references.get(primal, ()))
-    return StepSharing(parameter_bytes=parameters, shared_bytes=shared, gradient_bytes=gradients)
+
+    def held(node: object) -> bool:
+        return isinstance(node, fx.Node) and any(read_by_backward(b) for b in live.references.get(node, ()))
+
+    return StepSharing(
+        parameter_bytes=parameters,
+        shared_bytes=shared,
+        gradient_bytes=gradients,
+        held_inputs=tuple(i for i, p in enumerate(primals) if p not in schedule.parameters and held(p)),
+        held_outputs=tuple(i for i, o in enumerate(outputs[:num_fwd_outputs]) if held(o)),
+    )

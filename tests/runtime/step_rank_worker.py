@@ -1,0 +1,78 @@
+"""One rank of the 2-process gloo step-budget tests in test_step_ranks.py (run as a script, not collected).
+
+    python step_rank_worker.py RANK WORLD STORE_FILE SCENARIO BUDGET RESULT_FILE
+
+ddp: `LayerNormStack` wrapped in DistributedDataParallel with 2 MB buckets (DDPOptimizer splits the graph into
+    several), compiled with dpcs under BUDGET bytes; each rank takes its half of a global batch. After the
+    step plan is in place, one step is measured with the profiler; its absolute peak counts the parameters,
+    the input and DDP's gradient buckets (allocated when DDP was made, so invisible to the profiler).
+"""
+
+from __future__ import annotations
+
+import datetime
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from step_scenarios import LayerNormStack, global_batch  # noqa: E402
+
+from dpcs_compiler import compile_records  # noqa: E402
+from dpcs_compiler.measure import measure_peak_memory, resident_bytes  # noqa: E402
+from dpcs_compiler.report import step_records  # noqa: E402
+
+WARMUP_STEPS = 4  # the first runs the graphs' own plans, the second plans the step; then steady
+
+
+def ddp(rank: int, world: int, budget: int) -> dict:
+    torch.manual_seed(0)
+    model = LayerNormStack()
+    wrapped = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=2)
+    compiled = torch.compile(
+        wrapped, backend="dpcs", options={"compiler": "eager", "strict": True, "memory_budget": budget}
+    )
+    x = global_batch().chunk(world)[rank].contiguous()
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        compiled(x).square().mean().backward()
+
+    for _ in range(WARMUP_STEPS):
+        step()
+    buckets = sum(b.buffer().untyped_storage().nbytes() for b in wrapped.reducer._get_zeros_like_grad_buckets())
+    model.zero_grad(set_to_none=True)
+    _, peak = measure_peak_memory(step)
+    baseline = resident_bytes([*model.parameters(), *model.buffers(), x]) + buckets
+    return {
+        "measured_peak": peak.absolute(baseline),
+        "buckets": buckets,
+        "grads": [p.grad.detach().clone() for p in model.parameters()],
+        "steps": [r.to_json() for r in step_records()],
+        "plan_hashes": [r.plan_hash for r in compile_records() if r.mode == "training"],
+        "graphs": len({r.graph for r in compile_records()}),
+    }
+
+
+def main() -> None:
+    import faulthandler
+
+    faulthandler.dump_traceback_later(200, exit=True)  # a hung rank says where before the test gives up on it
+    rank, world, store, scenario, budget, result = sys.argv[1:7]
+    rank, world = int(rank), int(world)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = {"ddp": ddp}[scenario](rank, world, int(budget))
+    torch.save(out, result)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
