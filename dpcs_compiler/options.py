@@ -185,6 +185,8 @@ class DpcsOptions:
         (pipeline stages): each rank then plans alone.
     step_context: set by dpcs, not by users: what the other graphs of the step hold around this one
         (`cost.step_model.StepContext`), from the step planner (`runtime/step.py`).
+    size_hints: set by dpcs, not by users: for a graph with dynamic shapes, the sizes its plan is made for
+        (pairs of shape symbol and size; empty: the traced sizes), one size bucket of `runtime/variants.py`.
     """
 
     compiler: str = "inductor"
@@ -200,6 +202,7 @@ class DpcsOptions:
     rank_agreement: bool = True
     budget_scope: str = "step"
     step_context: StepContext | None = None
+    size_hints: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.compiler not in COMPILERS:
@@ -227,6 +230,19 @@ class DpcsOptions:
                 f"{', '.join(map(repr, BUDGET_SCOPES))}"
             )
         object.__setattr__(self, "step_context", StepContext.parse(self.step_context))
+        hints = self.size_hints
+        if isinstance(hints, dict):
+            hints = tuple(sorted(hints.items()))
+        if not isinstance(hints, (tuple, list)) or not all(
+            isinstance(h, (tuple, list)) and len(h) == 2 and isinstance(h[0], str)
+            and isinstance(h[1], int) and not isinstance(h[1], bool) and h[1] > 0
+            for h in hints
+        ):
+            raise ValueError(
+                f"dpcs option 'size_hints'={self.size_hints!r} is not valid; valid choices: pairs of shape symbol "
+                "name and size > 0 (set by dpcs for dynamic shapes)"
+            )
+        object.__setattr__(self, "size_hints", tuple(sorted((str(n), int(v)) for n, v in hints)))
         if self.precision not in PRECISIONS:
             raise ValueError(
                 f"dpcs option 'precision'={self.precision!r} is not valid; valid choices: {', '.join(map(repr, PRECISIONS))}"
@@ -292,7 +308,9 @@ class DpcsOptions:
                 return value.to_json()
             if isinstance(value, Fp8Options):
                 return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(value).items()}
-            return list(value) if isinstance(value, tuple) else value
+            if isinstance(value, tuple):
+                return [list(v) if isinstance(v, tuple) else v for v in value]
+            return value
 
         return {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
@@ -303,4 +321,7 @@ class DpcsOptions:
         relevant = {
             k: v for k, v in self.to_json().items() if k not in ("dump_dir", "strict", "hardware_profile", "rank_agreement", "budget_scope")
         }
+        for internal in ("step_context", "size_hints"):  # set by dpcs; left out unset, so older hashes stay
+            if not relevant[internal]:
+                del relevant[internal]
         return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]

@@ -29,6 +29,7 @@ from typing import Any
 import torch.fx as fx
 
 from dpcs_compiler.options import DpcsOptions
+from dpcs_compiler.passes.analysis.tensor_bytes import size_hints
 from dpcs_compiler.stages.compile_parts import PartCompiler, aot_compile
 from dpcs_compiler.stages.job import GraphJob, ScheduleOverBudget
 from dpcs_compiler.stages.partition import JointPartitioner
@@ -38,7 +39,13 @@ log = logging.getLogger("dpcs.pipeline")
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: DpcsOptions) -> Callable:
-    """Run the whole dpcs pipeline on one Dynamo graph and return the compiled callable."""
+    """Run the whole dpcs pipeline on one Dynamo graph and return the compiled callable (sizes planned for:
+    the traced ones, or `options.size_hints`)."""
+    with size_hints(options.size_hints):
+        return _compile_graph(gm, example_inputs, options)
+
+
+def _compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: DpcsOptions) -> Callable:
     job = GraphJob.start(gm, example_inputs, options)
     job.dump_graph("dynamo", gm)
     plan_precision_stage(job, gm)  # per-op dtypes and fp8 linears -> the plan

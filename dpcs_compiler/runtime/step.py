@@ -57,6 +57,7 @@ class _Call:
     inputs: dict[int, int]  # its other tensor inputs: storage pointer -> bytes
     held: dict[int, int]  # inputs and outputs its backward reads (it holds them): storage pointer -> bytes
     outside: dict[int, int]  # memory of the step outside graphs, by owner (DDP's gradient buckets)
+    bucket: tuple[int, ...]  # the graph's size bucket at this call (dynamic shapes)
 
 
 class StepRecorder:
@@ -73,7 +74,9 @@ class StepRecorder:
         self.calls: list[_Call] = []
         self.pending = 0
         self.partial = False
-        self.shapes: dict[tuple[str, ...], tuple[StepShape, list[weakref.ref[GraphDispatcher]]]] = {}
+        # (graph names, size buckets) of the calls -> the step's shape and its graphs
+        self.shapes: dict[tuple, tuple[StepShape, list[weakref.ref[GraphDispatcher]]]] = {}
+        self.latest: tuple = ()  # the size buckets of the last complete step
         self.quiet = 0
         self.to_plan = False
         self.plans = 0
@@ -143,7 +146,7 @@ class StepRecorder:
             log.warning("dpcs: %d graph calls without their backwards; the step recording starts again", len(self.calls))
             self._reset()
             self.partial = True
-        self.calls.append(_Call(dispatcher, parameters, gradients, inputs, held, outside))
+        self.calls.append(_Call(dispatcher, parameters, gradients, inputs, held, outside, dispatcher.bucket))
         self.pending += 1
         node.register_hook(self._backward_done)
         return out
@@ -158,13 +161,15 @@ class StepRecorder:
         if partial or not calls:
             return
         shape, refs = self._shape(calls)
-        if shape.instances in self.shapes and self.shapes[shape.instances][0] == shape:
+        key = (shape.instances, tuple(c.bucket for c in calls))
+        self.latest = key[1]
+        if key in self.shapes and self.shapes[key][0] == shape:
             self.quiet += 1
             if self.quiet >= STABLE_STEPS:
                 log.info("dpcs: step order stable; step watching stops")
                 self.disarm()
             return
-        self.shapes[shape.instances] = (shape, refs)
+        self.shapes[key] = (shape, refs)
         self.quiet = 0
         self.to_plan = True
 
@@ -222,6 +227,8 @@ class StepRecorder:
             alive = [r() for r in refs]
             if any(d is None for d in alive):  # a graph of this shape is gone (recompiled): the shape is stale
                 del self.shapes[key]
+                continue
+            if key[1] != self.latest:  # steps of other sizes: planned when they come (each bucket its own plans)
                 continue
             shapes.append(shape)
             dispatchers.update({d.name: d for d in alive})

@@ -206,8 +206,15 @@ class GraphDispatcher:
         self.control: VariantControl = UNBOUND
         # Step planning (`runtime/step.py`): the context the step planner gave this graph, under which
         # decisions, and whether the step recorder is watching its calls.
-        self.step_context: StepContext | None = None
+        self.step_contexts: dict[tuple[int, ...], StepContext] = {}  # by size bucket
         self.step_context_for: Decisions | None = None
+        # Dynamic shapes: the shape symbols of the inputs, their traced sizes and the size bucket of the
+        # current call; each bucket is its own variant, planned for the bucket's sizes (`size_bucket`).
+        # (Without a memory budget no plan depends on the sizes: one variant serves them all.)
+        self.size_symbols = size_symbols(self.fake_inputs or ()) if options.memory_budget is not None else ()
+        self.traced_sizes = tuple(s.traced for s in self.size_symbols)
+        self.bucket = self.traced_sizes
+        self.buckets_seen = {self.bucket}
         self.jobs: dict[str, list[Any]] = {}  # variant key -> the jobs that compiled it (their memory problems)
         self._watch = False
         self._control_version = -1
@@ -215,12 +222,14 @@ class GraphDispatcher:
         # The first variant compiles now, inside Dynamo's compile (its tracing context current), from the
         # inputs Dynamo gave, as a backend without runtimes would.
         self.current_key = ""
-        participates = options.memory_budget is not None and options.budget_scope == "step"
+        self.participates = participates = options.memory_budget is not None and options.budget_scope == "step"
         if participates:
             from dpcs_compiler.runtime.step import STEPS
 
             # Compiled in the middle of a step: planned against what the graphs that ran before it hold.
-            self.step_context = STEPS.provisional_context(example_inputs)
+            provisional = STEPS.provisional_context(example_inputs)
+            if provisional is not None:
+                self.step_contexts[self.bucket] = provisional
             self.step_context_for = self.control.decisions
         with warnings.catch_warnings():
             if self.step_context is not None:  # the step is planned as a whole after its first run
@@ -242,7 +251,23 @@ class GraphDispatcher:
         control.dispatchers.add(self)
         self._version = -1  # select at the next call (a known variant compiles nothing)
 
+    @property
+    def step_context(self) -> StepContext | None:
+        """The step planner's context for this graph at the current size bucket."""
+        return self.step_contexts.get(self.bucket)
+
     def __call__(self, *args: Any) -> Any:
+        if self.size_symbols:
+            bucket = tuple(size_bucket(args[s.arg][s.dim] if s.dim is not None else args[s.arg], s.traced) for s in self.size_symbols)
+            if bucket != self.bucket:
+                self.bucket = bucket
+                self._version = -1  # another size bucket: its own variant
+                if bucket not in self.buckets_seen:
+                    self.buckets_seen.add(bucket)
+                    if self.participates:
+                        from dpcs_compiler.runtime.step import STEPS
+
+                        STEPS.arm(self)  # its step at these sizes is planned anew
         if self._version != self.control.version:
             self._select(args)
         if self._watch:
@@ -254,7 +279,10 @@ class GraphDispatcher:
     def set_step_context(self, context: StepContext | None) -> None:
         """Plan this graph inside its training step from its next call on (None: alone), under the current
         runtime decisions (another decision plans it alone until the step is planned again)."""
-        self.step_context = context
+        if context is None:
+            self.step_contexts.pop(self.bucket, None)
+        else:
+            self.step_contexts[self.bucket] = context
         self.step_context_for = self.control.decisions
         self._version = -1
 
@@ -313,6 +341,8 @@ class GraphDispatcher:
         if decisions is not None and decisions.budget_scale is not None and decisions.budget_bytes is None and self.reference is None:
             self._variant(None, dynamo_inputs)  # the unscaled plan gives the bytes the scale multiplies
         options = variant_options(self.options, decisions, self.modules, self.reference)
+        if self.bucket != self.traced_sizes:  # planned for the bucket's sizes, not the traced ones
+            options = dataclasses.replace(options, size_hints=tuple((s.name, b) for s, b in zip(self.size_symbols, self.bucket)))
         if self.step_context is not None and decisions == self.step_context_for:
             # Planned inside its step: what the step planner found feasible is compiled without an error
             # in the middle of training (the planner raised already if no step plan fits).
@@ -382,6 +412,40 @@ class GraphDispatcher:
         if self.control is not UNBOUND:
             self.control.events.append(event)
         log.info("%s: compiled variant %s (%s) in %.2f s", event.graph, event.variant, event.decisions, seconds)
+
+
+@dataclasses.dataclass(frozen=True)
+class SizeSymbol:
+    """A shape symbol of a graph's inputs: input `arg` (dimension `dim`, or the input itself when it is a
+    SymInt), the symbol's name and its traced size."""
+
+    arg: int
+    dim: int | None
+    name: str
+    traced: int
+
+
+def size_symbols(fake_inputs: Sequence[Any]) -> tuple[SizeSymbol, ...]:
+    """Each plain shape symbol of the inputs, once, where it first appears."""
+    import sympy
+
+    found: dict[str, SizeSymbol] = {}
+    for i, x in enumerate(fake_inputs):
+        dims = list(enumerate(x.shape)) if isinstance(x, torch.Tensor) else [(None, x)]
+        for d, size in dims:
+            if not isinstance(size, torch.SymInt):
+                continue
+            expr = size.node.expr
+            if isinstance(expr, sympy.Symbol) and expr.name not in found and size.node.hint is not None:
+                found[expr.name] = SizeSymbol(i, d, expr.name, int(size.node.hint))
+    return tuple(found.values())
+
+
+def size_bucket(size: int, traced: int) -> int:
+    """The size a call's plan is made for: the traced one up to it, else the next power of two (a plan's peak
+    grows with the sizes, so it holds for every size up to its bucket's; at most log2 variants)."""
+    size = int(size)
+    return traced if size <= traced else 1 << (size - 1).bit_length()
 
 
 def mode_of(options: DpcsOptions) -> str:

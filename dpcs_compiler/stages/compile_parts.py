@@ -18,6 +18,7 @@ from dpcs_compiler.passes.analysis.inductor_schedule import (
     probe_available,
     probe_scheduled_peak,
 )
+from dpcs_compiler.passes.analysis.tensor_bytes import size_hints
 from dpcs_compiler.passes.infra import Rewrite
 from dpcs_compiler.passes.rewrite.fusion_guard import planned_fusion_choices
 from dpcs_compiler.passes.rewrite.overflow_check import OverflowCheck
@@ -44,7 +45,8 @@ class PartCompiler:
         """
         job = self.job
         try:
-            return self._prepare(kind, gm)
+            with size_hints(job.options.size_hints):  # a lazily compiled backward runs outside compile_graph
+                return self._prepare(kind, gm)
         except Exception as error:
             if job.options.strict:
                 raise

@@ -109,11 +109,9 @@ def plan_memory_budget(job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: in
             solution, peak_bytes=plan_memory(job.in_step(problem, capped=False), solution.decisions).peak_bytes
         )
     if has_symbolic_shapes(joint):
-        warnings.warn(
-            f"dpcs planned {job.record.graph} for its traced sizes, but its shapes are dynamic: the plan is not "
-            "re-made for other sizes, so larger inputs can exceed memory_budget (compile with dynamic=False)",
-            stacklevel=2,
-        )
+        # Planned for the sizes the shape symbols are evaluated at: the traced ones, or the size bucket's a
+        # runtime variant is compiled for (`runtime/variants.py`); larger calls get their own variant.
+        log.info("%s: dynamic shapes, planned for sizes %s", job.record.graph, dict(options.size_hints) or "as traced")
     decisions = solution.decisions
     values = tuple(
         ValueDecision(

@@ -145,3 +145,48 @@ def test_both_sides_of_a_data_dependent_branch_hold_the_budget(step_range):
     assert records[-1].shapes == 2, "both branches' steps were planned together"
     assert all(r.feasible for r in records)
     assert max(peaks) <= budget, (peaks, budget)
+
+
+def test_dynamic_sequence_lengths_each_hold_the_budget():
+    """Compiled at length 64 with dynamic shapes, trained at 64, 128 and 256: each length runs a plan made
+    for its size bucket (the plan traced at 64 keeps everything, 50.8 MB at 256, over this budget)."""
+    from dpcs_compiler.models import GPTConfig, MiniGPT
+
+    torch.manual_seed(0)
+    model = MiniGPT(GPTConfig(block_size=256, layers=2))
+    budget = 35_000_000
+    compiled = torch.compile(
+        model, backend="dpcs", dynamic=True, options={"compiler": "eager", "strict": True, "memory_budget": budget}
+    )
+
+    def batch(length):
+        idx = torch.randint(0, 512, (8, length), generator=torch.Generator().manual_seed(length))
+        return idx, torch.roll(idx, -1, 1)
+
+    def step(idx, targets):
+        model.zero_grad(set_to_none=True)
+        compiled(idx, targets).backward()
+
+    lengths = (64, 128, 256)
+    for length in lengths:
+        for _ in range(2):
+            step(*batch(length))
+    peaks = {}
+    for length in lengths:
+        idx, targets = batch(length)
+        model.zero_grad(set_to_none=True)
+        _, peak = measure_peak_memory(step, idx, targets)
+        peaks[length] = peak.absolute(resident_bytes([*model.parameters(), idx, targets]))
+    print(f"budget {budget} B: measured {peaks}")
+    assert all(p <= budget for p in peaks.values()), peaks
+    training = [r for r in compile_records() if r.mode == "training"]
+    assert all(r.symbolic_shapes for r in training)
+    assert len(training) == 3  # one variant per size bucket (64 as traced, 128, 256)
+    assert training[-1].recomputed_values > 0 and training[0].recomputed_values == 0
+    # Gradients at the longest length equal eager's.
+    idx, targets = batch(256)
+    step(idx, targets)
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    model(idx, targets).backward()
+    torch.testing.assert_close(got, {n: p.grad for n, p in model.named_parameters()}, atol=1e-5, rtol=1e-4)

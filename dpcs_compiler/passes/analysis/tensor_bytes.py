@@ -3,14 +3,17 @@
 A node that makes new tensors allocates one buffer per tensor it returns; a view or alias (any op whose
 schema says its result aliases an input, `_unsafe_view`, `getitem` of a tuple) allocates nothing and
 points into the buffers of its base. Sizes are sympy expressions in the graph's shape symbols, so they
-stay exact under dynamic shapes; `hint` evaluates one with the values the symbols had when traced.
+stay exact under dynamic shapes; `hint` evaluates one with the values the symbols had when traced, or those
+`size_hints` sets (a plan made for a larger size than the traced one).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import operator
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import sympy
@@ -100,6 +103,21 @@ class TensorBytes:
         return self.hint(self.nbytes(node))
 
 
+# Shape symbols (by name) evaluated at these values instead of their traced ones while planning a variant of a
+# graph with dynamic shapes for a larger size (`runtime/variants.py`: one plan per size bucket).
+_SIZE_HINTS: contextvars.ContextVar[dict[str, int]] = contextvars.ContextVar("dpcs_size_hints", default={})
+
+
+@contextlib.contextmanager
+def size_hints(values: Iterable[tuple[str, int]]) -> Iterator[None]:
+    """Evaluate the named shape symbols at `values` (pairs of name and size) inside the block."""
+    token = _SIZE_HINTS.set(dict(values))
+    try:
+        yield
+    finally:
+        _SIZE_HINTS.reset(token)
+
+
 def hint_int(expr: sympy.Expr | int, shape_env: Any | None) -> int:
     expr = sympy.sympify(expr)
     if not expr.free_symbols:
@@ -107,10 +125,13 @@ def hint_int(expr: sympy.Expr | int, shape_env: Any | None) -> int:
     if shape_env is None:
         raise ValueError(f"size {expr} is symbolic but the graph carries no shape environment to evaluate it")
     substitutions = {}
+    overrides = _SIZE_HINTS.get()
     # torch 2.13 renamed var_to_val to backed_var_to_val (the old name warns); 2.11 has only the old one.
     known = shape_env.backed_var_to_val if hasattr(shape_env, "backed_var_to_val") else shape_env.var_to_val
     for symbol in expr.free_symbols:
-        if symbol in known:
+        if symbol.name in overrides:
+            substitutions[symbol] = overrides[symbol.name]
+        elif symbol in known:
             substitutions[symbol] = known[symbol]
         else:  # an unbacked (data-dependent) size: use Inductor's fallback guess, as Inductor does
             substitutions[symbol] = torch._inductor.config.unbacked_symint_fallback
