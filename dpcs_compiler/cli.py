@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import runpy
@@ -24,9 +25,8 @@ from rich.console import Console
 from rich.table import Table
 
 from dpcs_compiler.cost.profiles import BUILTIN_PROFILES
-from dpcs_compiler.debug.render import format_bytes
-
 from dpcs_compiler.debug.dump import SUMMARY_FILE
+from dpcs_compiler.debug.render import format_bytes
 from dpcs_compiler.debug.summary import (
     graph_folders,
     hardware_lines,
@@ -36,6 +36,7 @@ from dpcs_compiler.debug.summary import (
     summary_table,
 )
 from dpcs_compiler.options import DUMP_DIR_ENV, HARDWARE_PROFILE_ENV
+from dpcs_compiler.report import STEPS_FILE, describe_step
 
 log = logging.getLogger("dpcs.cli")
 
@@ -193,6 +194,12 @@ def _show_command(args: argparse.Namespace, parser: argparse.ArgumentParser, out
 
 def print_summary(summaries: Sequence[dict], root: Path, out: Console) -> None:
     out.print(summary_table(summaries, root))
+    steps = root / STEPS_FILE
+    if steps.is_file():  # the step plans of several graphs (graph breaks, DDP buckets): the latest one
+        lines = [line for line in steps.read_text().splitlines() if line.strip()]
+        if lines:
+            out.print(f"{len(lines)} step plan(s); the latest: {describe_step(json.loads(lines[-1]))}",
+                      markup=False, highlight=False, soft_wrap=True)
     for line in hardware_lines(summaries, root):
         out.print(line, markup=False, highlight=False, soft_wrap=True)
     out.print(pass_table(summaries))

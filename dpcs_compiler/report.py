@@ -49,6 +49,7 @@ class CompileRecord:
     # In a training step of several graphs (`cost/step_model.py`): what the others hold around this one, as
     # planned with (forward_bytes, backward_bytes, boundary_cap); None: planned alone.
     step_context: dict[str, Any] | None = None
+    variant_of: str | None = None  # a runtime / step variant: the graph first compiled from the same Dynamo graph
     fusions_refused: int = 0  # Inductor horizontal fusions refused across allocations (passes/rewrite/fusion_guard)
     # Precision (solve/precision.py): the graph's low dtype, ops given a dtype, linears run in fp8.
     precision: str = "fp32"
@@ -138,3 +139,40 @@ def add_step_record(record: StepRecord) -> None:
 def step_records() -> list[StepRecord]:
     """The training steps of several graphs dpcs planned in this process, oldest first."""
     return list(_STEPS)
+
+
+STEPS_FILE = "steps.jsonl"  # in a dump folder: one StepRecord per line, as the step planner made them
+
+
+def predicted_step_peak() -> StepRecord | None:
+    """The training step's predicted peak: the latest step plan's record, or, for a step of one training graph
+    with a memory plan, a record of that graph's own prediction (None if neither)."""
+    if _STEPS:
+        return _STEPS[-1]
+    training = [r for r in _RECORDS if r.mode == "training" and r.predicted_peak_bytes is not None]
+    if not training:
+        return None
+    r = training[-1]
+    return StepRecord(
+        step="single graph", calls=[r.graph], budget_bytes=r.budget_bytes, predicted_peak_bytes=r.predicted_peak_bytes,
+        peak_graph=r.graph, peak_node=r.peak_node, peak_phase="", feasible=r.plan_feasible is not False, replanned=False,
+    )
+
+
+def describe_step(record: StepRecord | dict[str, Any]) -> str:
+    """One line for a step plan: its calls, predicted peak and where, and the budget."""
+    from dpcs_compiler.debug.render import format_bytes
+
+    r = record if isinstance(record, dict) else record.to_json()
+    calls: dict[str, int] = {}
+    for c in r["calls"]:
+        calls[c] = calls.get(c, 0) + 1
+    where = f"{r['peak_graph']}" + (f" {r['peak_phase']}" if r["peak_phase"] else "") + f" at {r['peak_node'] or '?'}"
+    budget = "no budget" if r["budget_bytes"] is None else f"budget {format_bytes(r['budget_bytes'])}"
+    verdict = "fits" if r["feasible"] else "over budget"
+    return (
+        f"step ({len(r['calls'])} graph call{'s' if len(r['calls']) != 1 else ''}: "
+        f"{', '.join(f'{g} x{n}' if n > 1 else g for g, n in calls.items())}): predicted peak "
+        f"{format_bytes(r['predicted_peak_bytes'])} in {where}; {budget}, {verdict}"
+        + ("; graphs re-planned for the step" if r.get("replanned") else "")
+    )

@@ -1,6 +1,7 @@
 """A small GPT trained through the dpcs backend: the README's main job.
 
-    python examples/train_gpt.py [--steps 20] [--batch 8] [--layers 2] [--compiler inductor|eager] [--device cpu]
+    python examples/train_gpt.py [--model gpt|breaks] [--steps 20] [--batch 8] [--layers 2] [--compiler inductor|eager]
+                                 [--device cpu]
                                  [--budget-fraction 0.8] [--precision fp32|bf16] [--fp8 tensorwise|rowwise]
                                  [--telemetry runs/telemetry.jsonl] [--adaptive]
 
@@ -11,6 +12,9 @@ median step time with the budget against without it. `--precision` and `--fp8` a
 (on a CPU, bf16/fp16/fp8 matmuls are far slower than fp32: use them there to see memory, not speed).
 The plan is costed with the hardware profile DPCS_HARDWARE_PROFILE names ("h100" plans for that GPU from
 here), else this machine's, measured once and cached; the printout names it and each plan's hash.
+The budget bounds the whole step: `--model breaks` trains a model whose step Dynamo splits into three graphs
+(a data-dependent branch and a `print`); dpcs learns the step's order on its first run and re-plans the
+graphs so that together they fit, and prints the step's predicted peak (one number, with the graph and node).
 The training loop runs under a dpcs Runtime (default policies), which writes its telemetry to --telemetry
 (`dpcs plot` draws it).
 
@@ -28,6 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dpcs_compiler import Runtime, compile_records
+from dpcs_compiler.report import describe_step, predicted_step_peak
 from dpcs_compiler.debug.render import format_bytes
 from dpcs_compiler.debug.summary import hardware_lines
 from dpcs_compiler.measure import measure_training_step
@@ -36,6 +41,8 @@ from dpcs_compiler.models import workload
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["gpt", "breaks"], default="gpt",
+                        help="MiniGPT (one graph), or a model with two graph breaks (three graphs per step)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--layers", type=int, default=2)
@@ -57,7 +64,8 @@ def main() -> None:
     precision = {"precision": args.precision, "fp8": None if args.fp8 is None else {"recipe": args.fp8, "min_size": 64}}
     console = Console(width=200)
 
-    w = workload("gpt", args.batch, layers=args.layers)
+    # "breaks": rows of 128 features, as many as the GPT's tokens (batch x 128).
+    w = workload(args.model, args.batch * (128 if args.model == "breaks" else 1), layers=args.layers)
     model = w.model.to(args.device)
     inputs = tuple(x.to(args.device) for x in w.inputs)
 
@@ -85,21 +93,25 @@ def main() -> None:
     losses = []
     for _ in range(args.steps):
         optimizer.zero_grad(set_to_none=True)
-        loss = compiled(*inputs)
+        loss = w.loss_fn(compiled(*inputs))
         loss.backward()
         optimizer.step()
         runtime.step(loss=loss, optimizer=optimizer)
         losses.append(loss.item())
     wall = time.perf_counter() - start
     runtime.close()
+    what = (
+        f"MiniGPT ({args.layers} layers, batch {args.batch}x{model.cfg.block_size} tokens)" if args.model == "gpt"
+        else f"BranchingNet ({args.layers} blocks per stack, {inputs[0].shape[0]} rows)"
+    )
     console.print(
-        f"trained MiniGPT ({args.layers} layers, batch {args.batch}x{model.cfg.block_size} tokens) for {args.steps} "
+        f"trained {what} for {args.steps} "
         f"steps on {args.device} through dpcs ({args.compiler}): loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
         f"{wall:.1f} s including compilation"
     )
 
-    training = [r for r in compile_records() if r.mode == "training"]
-    predicted = training[0].predicted_peak_bytes if len(training) == 1 else None
+    step = predicted_step_peak()  # the whole step's prediction: one number, with where it happens
+    predicted = step.predicted_peak_bytes if step is not None else None
     measured = measure_training_step(
         model, compiled, inputs, loss_fn=w.loss_fn, device=args.device, predicted_peak_bytes=predicted
     )
@@ -110,7 +122,7 @@ def main() -> None:
         table.add_column(column, no_wrap=column == "plan hash")
     for r in compile_records():
         table.add_row(
-            r.graph, r.mode, r.precision + (f", {r.fp8_linears} fp8 linears" if r.fp8_linears else ""),
+            r.graph + (f" (variant of {r.variant_of})" if r.variant_of else ""), r.mode, r.precision + (f", {r.fp8_linears} fp8 linears" if r.fp8_linears else ""),
             f"{r.forward_nodes}/{r.backward_nodes}", f"{r.saved_values} values, {format_bytes(r.saved_bytes)}",
             str(r.recomputed_values), str(r.offloaded_values), format_bytes(r.budget_bytes),
             "-" if r.plan_feasible is None else "fits" if r.plan_feasible else "over budget",
@@ -120,9 +132,11 @@ def main() -> None:
     console.print(table)
     for line in hardware_lines([r.to_json() for r in compile_records()]):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
+    if step is not None:
+        console.print(describe_step(step), markup=False, highlight=False, soft_wrap=True)
     error = measured.relative_error
     console.print(
-        f"graphs compiled: {len(compile_records())}; predicted peak {format_bytes(measured.predicted_peak_bytes)}, "
+        f"graphs compiled: {len(compile_records())}; predicted step peak {format_bytes(measured.predicted_peak_bytes)}, "
         f"measured peak {format_bytes(measured.measured_peak_bytes)} "
         f"({'n/a' if error is None else f'{error * 100:+.1f}%'}; budget {format_bytes(budget)}); "
         f"parameters+inputs {format_bytes(measured.resident_bytes)}; median step {measured.step_seconds * 1e3:.1f} ms"

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import logging
 import warnings
 import weakref
@@ -34,9 +35,15 @@ import torch
 import torch.utils._pytree as pytree
 
 from dpcs_compiler import rank_agreement
-from dpcs_compiler.cost.step_model import GraphStep, StepContext, StepShape, boundary_level, plan_step
+from dpcs_compiler.cost.step_model import (
+    GraphStep,
+    StepContext,
+    StepShape,
+    boundary_level,
+    plan_step,
+)
 from dpcs_compiler.debug.render import format_bytes
-from dpcs_compiler.report import _ON_CLEAR, StepRecord, add_step_record
+from dpcs_compiler.report import _ON_CLEAR, STEPS_FILE, StepRecord, add_step_record
 from dpcs_compiler.stages.job import BudgetInfeasibleError, describe_budget
 
 if TYPE_CHECKING:
@@ -245,6 +252,10 @@ class StepRecorder:
         if record is None:
             return None
         add_step_record(record)
+        for root in {d.options.dump_dir for d in dispatchers.values() if d.options.dump_dir is not None}:
+            root.mkdir(parents=True, exist_ok=True)
+            with open(root / STEPS_FILE, "a") as f:
+                f.write(json.dumps(record.to_json()) + "\n")
         log.info(
             "dpcs: %s of %d graph calls: predicted peak %d B at %s (%s, %s)%s",
             record.step, len(record.calls), record.predicted_peak_bytes, record.peak_graph, record.peak_phase,

@@ -393,6 +393,12 @@ class GraphDispatcher:
         self.compiles += 1
         if records and self.name == "graph":
             self.name = records[0].graph
+        elif self.name != "graph":
+            from dpcs_compiler.debug.dump import write_summary
+
+            for record in records:
+                record.variant_of = self.name
+                write_summary(record)
         main = records[0] if records else None
         unscaled = decisions is None or (decisions.budget_scale is None and decisions.budget_bytes is None)
         if main is not None and error is None and unscaled and self.own_reference is None:
