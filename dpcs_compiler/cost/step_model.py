@@ -184,9 +184,16 @@ class StepShape:
     # there, not again while this call runs), and the part of those this call holds itself too.
     inputs_held_before: tuple[int, ...] = ()
     held_twice: tuple[int, ...] = ()
+    # Per call (empty: the graph's own figures): the bytes of `parameter_bytes` its graph takes (its timeline
+    # counts them), and the gradients its backward leaves for the rest of the step. FSDP2 gathers a block's
+    # parameters for its call only (they are not in `parameter_bytes`, which holds the shards) and leaves
+    # sharded gradients.
+    call_parameter_bytes: tuple[int, ...] = ()
+    call_gradient_bytes: tuple[int, ...] = ()
+    backward_extra_bytes: int = 0  # alive during every backward besides (FSDP2's prefetched next gather)
 
     def __post_init__(self) -> None:
-        for name in ("inputs_held_before", "held_twice"):
+        for name in ("inputs_held_before", "held_twice", "call_parameter_bytes", "call_gradient_bytes"):
             if getattr(self, name) and len(getattr(self, name)) != len(self.instances):
                 raise ValueError(f"StepShape.{name} needs one entry per call")
 
@@ -211,11 +218,13 @@ def _calls(shapes: Sequence[StepShape], graphs: Mapping[str, GraphStep], held: M
         before = shape.inputs_held_before or (0,) * n
         twice = shape.held_twice or (0,) * n
         kept = [max(0, held[k] - twice[j]) for j, k in enumerate(shape.instances)]  # each call's own holdings
+        own_parameters = shape.call_parameter_bytes or tuple(graphs[k].parameter_bytes for k in shape.instances)
+        gradients = shape.call_gradient_bytes or tuple(graphs[k].gradient_bytes for k in shape.instances)
         for i, key in enumerate(shape.instances):
-            common = max(0, shape.parameter_bytes - graphs[key].parameter_bytes) + shape.outside_bytes
+            common = max(0, shape.parameter_bytes - own_parameters[i]) + shape.outside_bytes
             earlier = max(0, sum(kept[:i]) - before[i])  # its inputs held by an earlier call: counted as its own
-            later_gradients = sum(graphs[k].gradient_bytes for k in shape.instances[i + 1 :])
-            yield s, i, key, common + earlier, common + earlier + later_gradients
+            later = sum(gradients[i + 1 :]) + shape.backward_extra_bytes
+            yield s, i, key, common + earlier, common + earlier + later
 
 
 def contexts_for(

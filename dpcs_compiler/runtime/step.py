@@ -65,6 +65,9 @@ class _Call:
     held: dict[int, int]  # inputs and outputs its backward reads (it holds them): storage pointer -> bytes
     outside: dict[int, int]  # memory of the step outside graphs, by owner (DDP's gradient buckets)
     bucket: tuple[int, ...]  # the graph's size bucket at this call (dynamic shapes)
+    own_gradients: int  # the gradients its backward leaves for the rest of the step (FSDP2: sharded)
+    gathered: int  # FSDP2: parameter bytes gathered for this call only (its timeline counts them)
+    fsdp: _Fsdp | None  # FSDP2's shards and sharded gradients, as seen at this call
 
 
 class StepRecorder:
@@ -124,6 +127,8 @@ class StepRecorder:
         job = dispatcher.current_job()
         sharing = job.sharing if job is not None else None
         outside, bucket_views = _ddp_buckets()
+        fsdp = _fsdp_parameters()
+        own_gradients = gathered = 0
         held_inputs = frozenset(sharing.held_inputs) if sharing is not None else frozenset()
         for i, x in enumerate(args):
             if not isinstance(x, torch.Tensor):
@@ -132,6 +137,12 @@ class StepRecorder:
                 return dispatcher._fn(*args)  # DDP's graph splitting runs its pieces on fakes first
             storage = x.untyped_storage()
             if isinstance(x, torch.nn.Parameter):
+                if fsdp is not None and id(x) in fsdp.gathered:  # freed after its block: not the step's
+                    gathered += x.numel() * x.element_size()
+                    own_gradients += fsdp.gathered[id(x)] if x.requires_grad else 0
+                    continue
+                if storage.data_ptr() not in parameters and x.requires_grad:
+                    own_gradients += storage.nbytes()
                 parameters[storage.data_ptr()] = storage.nbytes()
                 if x.grad is not None and not bucket_views:  # (views of DDP's buckets are counted with them)
                     gradients[storage.data_ptr()] = x.grad.untyped_storage().nbytes()
@@ -153,7 +164,9 @@ class StepRecorder:
             log.warning("dpcs: %d graph calls without their backwards; the step recording starts again", len(self.calls))
             self._reset()
             self.partial = True
-        self.calls.append(_Call(dispatcher, parameters, gradients, inputs, held, outside, dispatcher.bucket))
+        self.calls.append(
+            _Call(dispatcher, parameters, gradients, inputs, held, outside, dispatcher.bucket, own_gradients, gathered, fsdp)
+        )
         self.pending += 1
         node.register_hook(self._backward_done)
         return out
@@ -194,12 +207,18 @@ class StepRecorder:
             inputs_held_before.append(sum(n for p, n in c.inputs.items() if p in held_before))
             held_twice.append(sum(n for p, n in c.held.items() if p in held_before and p in c.inputs))
             held_before.update(c.held)
+        fsdp = next((c.fsdp for c in reversed(calls) if c.fsdp is not None), None)
         shape = StepShape(
             instances=tuple(c.dispatcher.name for c in calls),
-            parameter_bytes=sum(parameters.values()),
-            outside_bytes=sum(gradients.values()) + sum(outside.values()),
+            # FSDP2: every rank keeps its shards; each block's gathered parameters live for its call only.
+            parameter_bytes=sum(parameters.values()) + (fsdp.shard_bytes if fsdp else 0),
+            outside_bytes=sum(gradients.values()) + sum(outside.values()) + (fsdp.gradient_bytes if fsdp else 0),
             inputs_held_before=tuple(inputs_held_before),
             held_twice=tuple(held_twice),
+            call_parameter_bytes=tuple(sum(c.parameters.values()) for c in calls),
+            call_gradient_bytes=tuple(c.own_gradients for c in calls),
+            # FSDP2 gathers the next block's parameters while a block runs its backward.
+            backward_extra_bytes=max((c.gathered for c in calls), default=0) if fsdp else 0,
         )
         return shape, [weakref.ref(c.dispatcher) for c in calls]
 
@@ -317,6 +336,46 @@ class StepRecorder:
             f"{holds_most} holds the most for its backward while the others run ({format_bytes(held)})"
         )
         return record, message
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fsdp:
+    """FSDP2's parameters as the step sees them: the gathered (unsharded) parameters by id, with the bytes of
+    their shard (what their gradient leaves after its reduce-scatter), every shard's bytes (kept all step),
+    and the sharded gradients already there (earlier micro-batches)."""
+
+    gathered: dict[int, int]
+    shard_bytes: int
+    gradient_bytes: int
+
+
+def _fsdp_parameters() -> _Fsdp | None:
+    """FSDP2's states (`fully_shard`) in this process, read from torch's composable-state registry; None
+    without any."""
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    except ImportError:  # a torch without FSDP2
+        return None
+    states = {id(st): st for ref in list(_module_state_mapping.values()) if isinstance(st := ref(), FSDPState)}
+    if not states:
+        return None
+    gathered: dict[int, int] = {}
+    shards = gradients = 0
+    for state in states.values():
+        for group in state._fsdp_param_groups:
+            for fsdp_param in group.fsdp_params:
+                shard = fsdp_param.sharded_param
+                local = shard._local_tensor if hasattr(shard, "_local_tensor") else shard
+                nbytes = local.numel() * local.element_size()
+                shards += nbytes
+                if shard.grad is not None:
+                    grad = shard.grad._local_tensor if hasattr(shard.grad, "_local_tensor") else shard.grad
+                    gradients += grad.numel() * grad.element_size()
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if unsharded is not None:
+                    gathered[id(unsharded)] = nbytes
+    return _Fsdp(gathered, shards, gradients)
 
 
 def _ddp_buckets() -> tuple[dict[int, int], bool]:

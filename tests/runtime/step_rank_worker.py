@@ -6,6 +6,9 @@ ddp: `LayerNormStack` wrapped in DistributedDataParallel with 2 MB buckets (DDPO
     several), compiled with dpcs under BUDGET bytes; each rank takes its half of a global batch. After the
     step plan is in place, one step is measured with the profiler; its absolute peak counts the parameters,
     the input and DDP's gradient buckets (allocated when DDP was made, so invisible to the profiler).
+fsdp: the same stack with `fully_shard` on each block, then on the root (FSDP2; Dynamo compiles one graph per
+    block, the first apart, the rest one graph called five times). The absolute peak counts this rank's
+    parameter shards and the input; each block's gathered parameters are allocated inside the step.
 """
 
 from __future__ import annotations
@@ -59,6 +62,40 @@ def ddp(rank: int, world: int, budget: int) -> dict:
     }
 
 
+def fsdp(rank: int, world: int, budget: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = LayerNormStack()
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    compiled = torch.compile(
+        model, backend="dpcs", options={"compiler": "eager", "strict": True, "memory_budget": budget}
+    )
+    x = global_batch().chunk(world)[rank].contiguous()
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        compiled(x).square().mean().backward()
+
+    for _ in range(WARMUP_STEPS):
+        step()
+    model.zero_grad(set_to_none=True)
+    _, peak = measure_peak_memory(step)
+    # Alive before the step: this rank's shards of the parameters, and the input.
+    shards = sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters())
+    return {
+        "measured_peak": peak.absolute(shards + resident_bytes([x])),
+        "grads": [p.grad.full_tensor().detach().clone() for p in model.parameters()],
+        "steps": [r.to_json() for r in step_records()],
+        "plan_hashes": [r.plan_hash for r in compile_records() if r.mode == "training"],
+        "graphs": len({r.graph for r in compile_records()}),
+    }
+
+
 def main() -> None:
     import faulthandler
 
@@ -69,7 +106,7 @@ def main() -> None:
                             timeout=datetime.timedelta(seconds=120))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = {"ddp": ddp}[scenario](rank, world, int(budget))
+        out = {"ddp": ddp, "fsdp": fsdp}[scenario](rank, world, int(budget))
     torch.save(out, result)
     dist.destroy_process_group()
 

@@ -1,6 +1,7 @@
 """One budget for a training step in a 2-rank gloo job (`step_rank_worker.py`): DDP's graph splitting makes
-several graphs per step; the measured step peak on each rank stays within the budget, the ranks plan the
-same step and compile the same plans, and gradients equal a single process's on the whole batch."""
+several graphs per step, and so does FSDP2 (a graph per block); the measured step peak on each rank stays
+within the budget, the ranks plan the same step and compile the same plans, and gradients equal a single
+process's on the whole batch."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ WORKER = Path(__file__).resolve().parent / "step_rank_worker.py"
 # Between the lowest step peak dpcs reaches here (53.6 MB predicted) and the step's peak without a budget
 # (65.1 MB measured, DDP's buckets included): the step must be re-planned to fit.
 DDP_BUDGET = 60_000_000
+# FSDP2: the step peaks at 49.9 MB without a budget (measured; each rank's shards 6.3 MB); the lowest step
+# plan reaches about 37 MB. Each graph planned alone fits this budget without recomputing anything.
+FSDP_BUDGET = 42_000_000
 
 
 def run_ranks(tmp_path: Path, scenario: str, budget: int) -> list[dict]:
@@ -40,6 +44,23 @@ def test_ddp_buckets_share_one_step_budget_on_every_rank(tmp_path):
         assert record["outside_bytes"] >= rank["buckets"]  # DDP's buckets counted as the step's
         assert rank["measured_peak"] <= DDP_BUDGET
         assert rank["measured_peak"] <= record["predicted_peak_bytes"] <= 1.05 * rank["measured_peak"]
+    assert zero["steps"] == one["steps"] and zero["plan_hashes"] == one["plan_hashes"]
+    torch.manual_seed(0)
+    model = LayerNormStack()
+    model(global_batch()).square().mean().backward()
+    for got_zero, got_one, expected in zip(zero["grads"], one["grads"], (p.grad for p in model.parameters())):
+        assert torch.equal(got_zero, got_one)
+        torch.testing.assert_close(got_zero, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_fsdp2_blocks_count_their_gathered_parameters_and_hold_the_step_budget(tmp_path):
+    zero, one = run_ranks(tmp_path, "fsdp", FSDP_BUDGET)
+    for rank in (zero, one):
+        print(f"measured {rank['measured_peak']} B, step records {rank['steps']}")
+        (record,) = rank["steps"]
+        assert record["feasible"] and record["replanned"] and len(record["calls"]) == 6
+        assert rank["measured_peak"] <= FSDP_BUDGET
+        assert 0.99 * rank["measured_peak"] <= record["predicted_peak_bytes"] <= 1.05 * rank["measured_peak"]
     assert zero["steps"] == one["steps"] and zero["plan_hashes"] == one["plan_hashes"]
     torch.manual_seed(0)
     model = LayerNormStack()
