@@ -58,7 +58,7 @@ if str(REPO) not in sys.path:  # run as a script from a checkout without the pac
 
 from dpcs_compiler.measure import measure_peak_memory, resident_bytes  # noqa: E402
 from dpcs_compiler.models import BENCH_MODELS, apply_activation_checkpointing, bench_workload  # noqa: E402
-from dpcs_compiler.report import compile_records, records_since  # noqa: E402
+from dpcs_compiler.report import compile_records, records_since, step_records  # noqa: E402
 
 MiB = 2**20
 DEFAULT_AMB = (0.0, 0.2, 0.5, 1.0)
@@ -66,7 +66,7 @@ DEFAULT_BELOW = (0.85, 0.7)
 STRATEGY_KINDS = ("eager", "eager_ac", "compile", "amb", "dpcs")
 DEDUPE_RELATIVE = 0.005  # upstream peaks within 0.5% of each other give one dpcs budget
 # CompileRecord fields kept per dpcs graph (read with getattr: the planner's fields may be absent)
-RECORD_FIELDS = ("graph", "mode", "compiler", "predicted_peak_bytes", "budget_bytes", "plan_feasible", "solver",
+RECORD_FIELDS = ("graph", "variant_of", "mode", "compiler", "predicted_peak_bytes", "budget_bytes", "plan_feasible", "solver",
                  "recomputed_values", "offloaded_values", "plan_added_seconds", "partition_peak_bytes", "fallback",
                  "forward_schedule_excess_bytes", "backward_schedule_excess_bytes", "replans", "fusions_refused",
                  "hardware_profile", "planned_for", "plan_hash")
@@ -242,7 +242,8 @@ def prepare(strategy: Strategy, base: LossModule, inputs: Sequence[torch.Tensor]
             step()
             _sync(device)
             result["first_step_s"] = time.perf_counter() - start
-            for _ in range(max(warmup - 1, 0)):
+            # dpcs learns a step of several graphs on its first run and switches to its step plan at the next.
+            for _ in range(max(warmup - 1, 2 if strategy.kind == "dpcs" else 0)):
                 step()
             graphs = _unique_graphs() - graphs_before
             result["graphs"] = graphs
@@ -283,9 +284,19 @@ def _dpcs_fields(result: dict[str, Any], records: list) -> None:
     rows = [{name: getattr(r, name, None) for name in RECORD_FIELDS} for r in records]
     result["records"] = rows
     training = [r for r in rows if r["mode"] == "training"]
-    result["predicted_peak_bytes"] = training[0]["predicted_peak_bytes"] if len(training) == 1 else None
+    # The whole step's prediction: a step plan's (several graphs), else the one training graph's. With a step
+    # plan, each graph runs its latest variant (the first compiles were planned before the step was known).
+    steps = [s for s in step_records() if set(s.calls) <= {r["graph"] for r in rows}]
+    if steps:
+        step = steps[-1]
+        result["predicted_peak_bytes"] = step.predicted_peak_bytes
+        result["step"] = step.to_json()
+        latest = {(r["variant_of"] or r["graph"]): r for r in training}
+        training = [latest[g] for g in dict.fromkeys(step.calls) if g in latest]
+    else:
+        result["predicted_peak_bytes"] = training[0]["predicted_peak_bytes"] if len(training) == 1 else None
     feasible = [r["plan_feasible"] for r in training if r["plan_feasible"] is not None]
-    result["plan_feasible"] = all(feasible) if feasible else None
+    result["plan_feasible"] = (steps[-1].feasible if steps else all(feasible)) if feasible or steps else None
     for field in ("recomputed_values", "offloaded_values"):
         counts = [r[field] for r in training if r[field] is not None]
         result[field] = sum(counts) if counts else None

@@ -290,8 +290,11 @@ def checkpoint_blocks(model: nn.Module) -> list[nn.Module]:
         return list(model.lm.model.layers)
     if isinstance(model, (MiniGPT, BlockMLP, ResConvNet)):
         return list(model.blocks)
+    if isinstance(model, BranchingNet):
+        return [*model.first, *model.middle, *model.last]
     raise ValueError(
-        f"no checkpoint blocks known for {type(model).__name__}; valid: MiniGPT, BlockMLP, ResConvNet, LlamaLM"
+        f"no checkpoint blocks known for {type(model).__name__}; valid: MiniGPT, BlockMLP, ResConvNet, LlamaLM, "
+        "BranchingNet"
     )
 
 
@@ -315,11 +318,12 @@ def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
     return model
 
 
-BENCH_MODELS = ("mlp", "gpt", "llama", "convnet")
+BENCH_MODELS = ("mlp", "gpt", "llama", "convnet", "breaks")
 
 
 def bench_workload(name: str, *, quick: bool = False, seed: int = 0) -> Workload:
-    """The `dpcs bench` workloads: "mlp", "gpt" (4 layers), "llama" (transformers, random init), "convnet".
+    """The `dpcs bench` workloads: "mlp", "gpt" (4 layers), "llama" (transformers, random init), "convnet",
+    "breaks" (`BranchingNet`: two graph breaks, three graphs per step).
 
     Full sizes take ~50-300 ms per eager fp32 training step on a 2-core CPU, with peaks of tens to a few
     hundred MiB; `quick` sizes are tiny (tests). Every model's output is turned into a loss by `loss_fn`.
@@ -346,4 +350,8 @@ def bench_workload(name: str, *, quick: bool = False, seed: int = 0) -> Workload
         channels, layers, batch, hw = (8, 2, 4, 16) if quick else (32, 4, 32, 32)
         x = torch.randn(batch, 3, hw, hw, generator=generator)
         return Workload(name, ResConvNet(channels, layers), (x,), _mean_square)
+    if name == "breaks":
+        d, blocks, rows = (32, 1, 64) if quick else (256, 2, 2048)
+        x = torch.randn(rows, d, generator=generator)
+        return Workload(name, BranchingNet(d, blocks), (x,), _mean_square)
     raise ValueError(f"unknown bench workload {name!r}; valid choices: {', '.join(map(repr, BENCH_MODELS))}")

@@ -14,10 +14,10 @@ variant compiled for it, between steps and without Dynamo, as runtime variants d
 `BudgetInfeasibleError` naming the smallest step peak reached and the graph that holds the most (or warns,
 under on_infeasible="best").
 
-Watching stops after `STABLE_STEPS` steps of shapes already planned for; a newly compiled graph, or a runtime
-decision that changes a graph's variant, starts it again (the step it starts in is partly seen and is not
-used). Shapes seen since the process started are all planned for, so steps that alternate between branches
-hold the budget on each.
+Watching stops after `STABLE_STEPS` steps of shapes already planned for; a newly compiled graph, a new size
+bucket, or a runtime decision that changes a graph's variant, starts it again (the step it starts in can be
+partly seen: planned together with the full ones, it never loosens their contexts). Shapes seen since the
+process started are all planned for, so steps that alternate between branches hold the budget on each.
 """
 
 from __future__ import annotations
@@ -93,11 +93,11 @@ class StepRecorder:
 
     # -- watching ------------------------------------------------------------------------------------------
     def arm(self, dispatcher: GraphDispatcher | None = None) -> None:
-        """Watch every participant from now on; a step already under way is partly seen and not used."""
+        """Watch every participant from now on. A step already under way is partly seen (graphs that ran
+        before are missed): its shape is planned with the others, whose larger contexts it never loosens,
+        and the next full step is planned again."""
         if dispatcher is not None:
             self.participants.add(dispatcher)
-        if any(not d._watch for d in self.participants if d is not dispatcher):
-            self.partial = True  # they may have run earlier in this step unseen
         for d in self.participants:
             d._watch = True
         self.quiet = 0
