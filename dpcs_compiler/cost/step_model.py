@@ -33,7 +33,8 @@ import numpy as np
 from dpcs_compiler.cost.memory_model import OFFLOAD, RECOMPUTE, SAVE, MemoryProblem, plan_memory
 
 LEVEL_GRID = 8  # the shared level is tried at 0, 1/8, ..., 1
-TARGET_PROBES = 8  # bisection steps on the target for the smallest step peak, when no plan fits
+TARGET_PROBES = 6  # bisection steps on the target for the smallest step peak, when no plan fits
+LOWEST_GRID = 4  # and the coarser grid of levels tried at each
 LEVEL_PROBES = 6  # then bisected between the highest feasible grid level and the next (1/512 of each range)
 
 
@@ -190,7 +191,8 @@ class StepShape:
     # sharded gradients.
     call_parameter_bytes: tuple[int, ...] = ()
     call_gradient_bytes: tuple[int, ...] = ()
-    backward_extra_bytes: int = 0  # alive during every backward besides (FSDP2's prefetched next gather)
+    forward_extra_bytes: int = 0  # alive during every forward besides (FSDP2's prefetched next gather)
+    backward_extra_bytes: int = 0  # and every backward (FSDP2's gathers and reduce-scatters in flight)
 
     def __post_init__(self) -> None:
         for name in ("inputs_held_before", "held_twice", "call_parameter_bytes", "call_gradient_bytes"):
@@ -224,7 +226,7 @@ def _calls(shapes: Sequence[StepShape], graphs: Mapping[str, GraphStep], held: M
             common = max(0, shape.parameter_bytes - own_parameters[i]) + shape.outside_bytes
             earlier = max(0, sum(kept[:i]) - before[i])  # its inputs held by an earlier call: counted as its own
             later = sum(gradients[i + 1 :]) + shape.backward_extra_bytes
-            yield s, i, key, common + earlier, common + earlier + later
+            yield s, i, key, common + earlier + shape.forward_extra_bytes, common + earlier + later
 
 
 def contexts_for(
@@ -322,7 +324,7 @@ def plan_step(
         mid = (lo + hi) // 2
         if mid <= lo:
             break
-        plan = search.at(mid)
+        plan = search.at(mid, LOWEST_GRID)
         if plan is None:
             lo = mid
         else:
@@ -363,15 +365,15 @@ class _LevelSearch:
         peak = step_peak(self.shapes, graphs, lv)
         return StepPlan(dict(contexts), decisions, lv, peak, feasible and peak.bytes <= target, level, self.solves)
 
-    def at(self, target: int) -> StepPlan | None:
+    def at(self, target: int, grid: int = LEVEL_GRID) -> StepPlan | None:
         """The plan of the highest feasible level within `target`, or None if no level fits. Holding least
         between phases does not give the lowest peaks (recomputing everything raises backward peaks): levels
         are tried on a grid first, then the highest feasible one is refined by bisection."""
-        fits = [t for t in (self.attempt(i / LEVEL_GRID, target) for i in range(LEVEL_GRID + 1)) if t.feasible]
+        fits = [t for t in (self.attempt(i / grid, target) for i in range(grid + 1)) if t.feasible]
         if not fits:
             return None
         best = fits[-1]
-        lo, hi = best.level, min(1.0, best.level + 1 / LEVEL_GRID)
+        lo, hi = best.level, min(1.0, best.level + 1 / grid)
         for _ in range(LEVEL_PROBES if best.level < 1.0 else 0):
             mid = (lo + hi) / 2
             tried = self.attempt(mid, target)

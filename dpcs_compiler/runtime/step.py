@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dpcs.step")
 
+FSDP_BLOCKS_IN_FLIGHT = 3  # FSDP2 backward: blocks' worth of gathers and reduce-scatters beside the one running
 STABLE_STEPS = 2  # complete steps of known shapes after which the recorder stops watching
 MAX_PENDING_CALLS = 100_000  # forward calls without their backwards after which a recording is dropped
 _step_ids = itertools.count()
@@ -87,6 +88,7 @@ class StepRecorder:
         # (graph names, size buckets) of the calls -> the step's shape and its graphs
         self.shapes: dict[tuple, tuple[StepShape, list[weakref.ref[GraphDispatcher]]]] = {}
         self.latest: tuple = ()  # the size buckets of the last complete step
+        self.latest_key: tuple = ((), ())  # and its key
         self.quiet = 0
         self.to_plan = False
         self.plans = 0
@@ -182,7 +184,7 @@ class StepRecorder:
             return
         shape, refs = self._shape(calls)
         key = (shape.instances, tuple(c.bucket for c in calls))
-        self.latest = key[1]
+        self.latest, self.latest_key = key[1], key
         if key in self.shapes and self.shapes[key][0] == shape:
             self.quiet += 1
             if self.quiet >= STABLE_STEPS:
@@ -217,8 +219,11 @@ class StepRecorder:
             held_twice=tuple(held_twice),
             call_parameter_bytes=tuple(sum(c.parameters.values()) for c in calls),
             call_gradient_bytes=tuple(c.own_gradients for c in calls),
-            # FSDP2 gathers the next block's parameters while a block runs its backward.
-            backward_extra_bytes=max((c.gathered for c in calls), default=0) if fsdp else 0,
+            # FSDP2 works ahead of the block that runs: the next block's gather in its forward; in its backward,
+            # the next gather, the reduce-scatter input of the gradients just made and the one before it, not
+            # yet waited for (measured on gloo: one to three blocks' worth, by the ranks' timing).
+            forward_extra_bytes=max((c.gathered for c in calls), default=0) if fsdp else 0,
+            backward_extra_bytes=FSDP_BLOCKS_IN_FLIGHT * max((c.gathered for c in calls), default=0) if fsdp else 0,
         )
         return shape, [weakref.ref(c.dispatcher) for c in calls]
 
@@ -245,19 +250,31 @@ class StepRecorder:
 
     # -- planning ------------------------------------------------------------------------------------------
     def plan(self) -> StepRecord | None:
-        """Plan every step shape seen for one budget and switch the graphs whose plans change."""
+        """Plan the step shapes seen with the latest one (those sharing a graph with it, at its sizes) for one
+        budget, and switch the graphs whose plans change."""
         self.to_plan = False
-        dispatchers: dict[str, GraphDispatcher] = {}
-        shapes = []
+        candidates: list[tuple[StepShape, list[GraphDispatcher]]] = []
         for key, (shape, refs) in list(self.shapes.items()):
             alive = [r() for r in refs]
             if any(d is None for d in alive):  # a graph of this shape is gone (recompiled): the shape is stale
                 del self.shapes[key]
                 continue
-            if key[1] != self.latest:  # steps of other sizes: planned when they come (each bucket its own plans)
-                continue
-            shapes.append(shape)
-            dispatchers.update({d.name: d for d in alive})
+            if key == self.latest_key or key[1] == self.latest:  # other sizes: each bucket its own plans
+                candidates.append((shape, alive))
+        # Steps of other models (no graph in common with the latest step's) are not this step's.
+        names = set(self.latest_key[0])
+        grown = True
+        while grown:
+            grown = False
+            for shape, _ in candidates:
+                if names & set(shape.instances) and not set(shape.instances) <= names:
+                    names |= set(shape.instances)
+                    grown = True
+        shapes, dispatchers = [], {}
+        for shape, alive in candidates:
+            if set(shape.instances) <= names:
+                shapes.append(shape)
+                dispatchers.update({d.name: d for d in alive})
         if not shapes:
             return None
         # In a distributed job rank 0 plans and every rank applies its plan (the ranks run the same graphs).

@@ -18,8 +18,8 @@ WORKER = Path(__file__).resolve().parent / "step_rank_worker.py"
 # Between the lowest step peak dpcs reaches here (53.6 MB predicted) and the step's peak without a budget
 # (65.1 MB measured, DDP's buckets included): the step must be re-planned to fit.
 DDP_BUDGET = 60_000_000
-# FSDP2: the step peaks at 49.9 MB without a budget (measured; each rank's shards 6.3 MB); the lowest step
-# plan reaches about 37 MB. Each graph planned alone fits this budget without recomputing anything.
+# FSDP2: the step peaks at 49.9 MB without a budget (measured; each rank's shards 6.3 MB). Each graph planned
+# alone fits this budget without recomputing anything, and the step then goes over it.
 FSDP_BUDGET = 42_000_000
 
 
@@ -60,7 +60,9 @@ def test_fsdp2_blocks_count_their_gathered_parameters_and_hold_the_step_budget(t
         (record,) = rank["steps"]
         assert record["feasible"] and record["replanned"] and len(record["calls"]) == 6
         assert rank["measured_peak"] <= FSDP_BUDGET
-        assert 0.99 * rank["measured_peak"] <= record["predicted_peak_bytes"] <= 1.05 * rank["measured_peak"]
+        # FSDP2's collectives in flight beside the running block depend on the ranks' timing (one to three
+        # blocks' worth measured here): the prediction counts the most, so it is over when they are fewer.
+        assert rank["measured_peak"] <= record["predicted_peak_bytes"] <= 1.15 * rank["measured_peak"]
     assert zero["steps"] == one["steps"] and zero["plan_hashes"] == one["plan_hashes"]
     torch.manual_seed(0)
     model = LayerNormStack()
