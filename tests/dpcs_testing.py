@@ -226,5 +226,6 @@ def run_rank_processes(commands: list[list[str]], envs: list[dict[str, str]]) ->
     finally:
         for p in processes:
             p.kill()
-    for p, (_, err) in zip(processes, outputs):
-        assert p.returncode == 0, err
+    failed = [f"rank {rank} (exit {p.returncode}):\n{err[-6000:]}" for rank, (p, (_, err)) in enumerate(zip(processes, outputs))
+              if p.returncode != 0]
+    assert not failed, "\n\n".join(failed)

@@ -52,7 +52,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("dpcs.step")
 
 FSDP_BLOCKS_IN_FLIGHT = 3  # FSDP2 backward: blocks' worth of gathers and reduce-scatters beside the one running
-STABLE_STEPS = 2  # complete steps of known shapes after which the recorder stops watching
+STABLE_STEPS = 2
+# A measured planned step more than this above its prediction is planned again with the excess counted.
+CORRECTION_MIN_BYTES = 64 * 1024
+CORRECTION_MIN_FRACTION = 0.002
+MAX_CORRECTIONS = 2  # complete steps of known shapes after which the recorder stops watching
 MAX_PENDING_CALLS = 100_000  # forward calls without their backwards after which a recording is dropped
 _step_ids = itertools.count()
 
@@ -89,6 +93,13 @@ class StepRecorder:
         self.shapes: dict[tuple, tuple[StepShape, list[weakref.ref[GraphDispatcher]]]] = {}
         self.latest: tuple = ()  # the size buckets of the last complete step
         self.latest_key: tuple = ((), ())  # and its key
+        # Measuring a planned step (`_Meter`): steps to let pass first (the one compiling the new variants),
+        # the meter of the step being measured, and per shape what was measured beyond the plan, counted.
+        self.verify_in: int | None = None
+        self.meter: _Meter | None = None
+        self.predicted: int | None = None
+        self.outside_measured: dict[tuple, int] = {}
+        self.corrections: dict[tuple, int] = {}
         self.quiet = 0
         self.to_plan = False
         self.plans = 0
@@ -120,6 +131,9 @@ class StepRecorder:
             self.plan()  # between steps: at the first forward call after a complete one
             if dispatcher._version != dispatcher.control.version:
                 dispatcher._select(args)
+        if self.verify_in == 0 and self.pending == 0 and self.meter is None:
+            self.verify_in = None
+            self.meter = _Meter.start(args)
         from torch._subclasses.fake_tensor import is_fake
 
         parameters: dict[int, int] = {}
@@ -166,6 +180,7 @@ class StepRecorder:
             log.warning("dpcs: %d graph calls without their backwards; the step recording starts again", len(self.calls))
             self._reset()
             self.partial = True
+            self.meter = None
         self.calls.append(
             _Call(dispatcher, parameters, gradients, inputs, held, outside, dispatcher.bucket, own_gradients, gathered, fsdp)
         )
@@ -178,6 +193,8 @@ class StepRecorder:
         if self.pending > 0:
             return
         calls, partial = self.calls, self.partial
+        meter, self.meter = self.meter, None
+        reading = meter.stop() if meter is not None else None
         self._reset()
         self.partial = False
         if partial or not calls:
@@ -185,13 +202,42 @@ class StepRecorder:
         shape, refs = self._shape(calls)
         key = (shape.instances, tuple(c.bucket for c in calls))
         self.latest, self.latest_key = key[1], key
-        if key in self.shapes and self.shapes[key][0] == shape:
+        if self.verify_in is not None and self.verify_in > 0:
+            self.verify_in -= 1
+        shape = dataclasses.replace(shape, outside_bytes=shape.outside_bytes + self.outside_measured.get(key, 0))
+        if reading is not None and self.predicted is not None:
+            self._correct(key, shape, reading, refs)
+            if self.to_plan:
+                return
+        known = self.shapes[key][0] if key in self.shapes else None
+        if known is not None:
+            shape = _covering(known, shape)
+        if shape == known:
             self.quiet += 1
             if self.quiet >= STABLE_STEPS:
                 log.info("dpcs: step order stable; step watching stops")
                 self.disarm()
             return
         self.shapes[key] = (shape, refs)
+        self.quiet = 0
+        self.to_plan = True
+
+    def _correct(self, key: tuple, shape: StepShape, measured: int | None, refs: list) -> None:
+        """Count what a measured planned step held beyond its plan (memory outside the graphs: a loss in eager
+        code, collectives in flight) as memory alive throughout it, and plan again (at most twice a shape)."""
+        if measured is None:
+            return
+        excess = measured - self.predicted
+        if excess <= max(CORRECTION_MIN_BYTES, int(CORRECTION_MIN_FRACTION * self.predicted)):
+            return
+        if self.corrections.get(key, 0) >= MAX_CORRECTIONS:
+            log.warning("dpcs: the step measured %d B beyond its plan again; not planned again", excess)
+            return
+        self.corrections[key] = self.corrections.get(key, 0) + 1
+        self.outside_measured[key] = self.outside_measured.get(key, 0) + excess
+        log.info("dpcs: the step measured %d B beyond its plan's %d B: counted as memory outside its graphs", excess,
+                 self.predicted)
+        self.shapes[key] = (dataclasses.replace(shape, outside_bytes=shape.outside_bytes + excess), refs)
         self.quiet = 0
         self.to_plan = True
 
@@ -304,6 +350,8 @@ class StepRecorder:
         if record.replanned:
             for name, d in dispatchers.items():
                 d.set_step_context(StepContext.parse(record.contexts.get(name)))
+        # Measure the step after the next one (the next compiles the new variants) against the prediction.
+        self.verify_in, self.predicted = 1, record.predicted_peak_bytes
         return record
 
     @staticmethod
@@ -353,6 +401,32 @@ class StepRecorder:
             f"{holds_most} holds the most for its backward while the others run ({format_bytes(held)})"
         )
         return record, message
+
+
+class _Meter:
+    """The peak of one step, measured by the CUDA caching allocator (absolute: everything allocated counts,
+    optimizer state and memory outside the graphs included).
+
+    CPU steps are not measured: the CPU allocator keeps no statistics, and the profiler's memory events
+    cannot be read from inside the backward (the autograd engine restores the profiler's thread state
+    after its hooks run, so a profiler stopped in the hook that ends the step stays on)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    @classmethod
+    def start(cls, args: Sequence[Any]) -> _Meter | None:
+        device = next((x.device for x in args if isinstance(x, torch.Tensor)), torch.device("cpu"))
+        if device.type != "cuda":
+            return None
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return cls(device)
+
+    def stop(self) -> int:
+        """The allocator's absolute peak since `start`."""
+        torch.cuda.synchronize(self.device)
+        return int(torch.cuda.max_memory_allocated(self.device))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -405,6 +479,28 @@ def _ddp_buckets() -> tuple[dict[int, int], bool]:
         return {}, False
     nbytes = sum(p.numel() * p.element_size() for p in ddp.module.parameters() if p.requires_grad)
     return {id(ddp): nbytes}, bool(getattr(ddp, "gradient_as_bucket_view", False))
+
+
+def _covering(a: StepShape, b: StepShape) -> StepShape:
+    """One shape for two steps of the same calls (micro-batches with and without earlier gradients): each
+    figure at its more demanding value, so a plan for it holds for both."""
+    def most(x: tuple[int, ...], y: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(map(max, x, y)) if x and y else x or y
+
+    def least(x: tuple[int, ...], y: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(map(min, x, y)) if x and y else ()
+
+    return dataclasses.replace(
+        a,
+        parameter_bytes=max(a.parameter_bytes, b.parameter_bytes),
+        outside_bytes=max(a.outside_bytes, b.outside_bytes),
+        inputs_held_before=least(a.inputs_held_before, b.inputs_held_before),
+        held_twice=least(a.held_twice, b.held_twice),
+        call_parameter_bytes=least(a.call_parameter_bytes, b.call_parameter_bytes),
+        call_gradient_bytes=most(a.call_gradient_bytes, b.call_gradient_bytes),
+        forward_extra_bytes=max(a.forward_extra_bytes, b.forward_extra_bytes),
+        backward_extra_bytes=max(a.backward_extra_bytes, b.backward_extra_bytes),
+    )
 
 
 def _solve(problem: Any, target: int) -> tuple[tuple[str, ...], bool]:

@@ -1,0 +1,80 @@
+"""The step recorder (`runtime/step.py`) on small models: what it learns from the calls, which steps it plans
+together, and how a measured excess is counted."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from dpcs_compiler.cost.step_model import StepShape
+from dpcs_compiler.models import BranchingNet
+from dpcs_compiler.report import step_records
+from dpcs_compiler.runtime.step import MAX_CORRECTIONS, STEPS
+from dpcs_testing import dpcs_compile
+
+
+def train(model, compiled, x, steps):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(steps):
+            model.zero_grad(set_to_none=True)
+            compiled(x).square().mean().backward()
+
+
+def test_the_recorder_learns_the_order_parameters_and_handoffs_of_a_step():
+    model = BranchingNet(d=32, blocks=1)
+    compiled = dpcs_compile(model, memory_budget=10**9)
+    x = torch.randn(64, 32)
+    train(model, compiled, x, 1)
+    ((key, (shape, refs)),) = STEPS.shapes.items()
+    assert len(shape.instances) == 3 and len(set(shape.instances)) == 3
+    assert [r().name for r in refs] == list(shape.instances)
+    parameters = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert shape.parameter_bytes == parameters  # each parameter once, over the graphs that take it
+    assert sum(shape.call_parameter_bytes) == parameters and sum(shape.call_gradient_bytes) == parameters
+    assert shape.outside_bytes == 0  # gradients were set to None before the step
+
+
+def test_gradients_left_by_an_earlier_micro_batch_count_for_the_step():
+    model = BranchingNet(d=32, blocks=1)
+    compiled = dpcs_compile(model, memory_budget=10**9)
+    x = torch.randn(64, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled(x).square().mean().backward()
+        compiled(x).square().mean().backward()  # accumulating: .grad alive through the second micro-batch
+    ((shape, _),) = STEPS.shapes.values()  # both micro-batches: one shape, at the more demanding one's figures
+    assert shape.outside_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert STEPS.to_plan
+
+
+def test_steps_of_separate_models_are_planned_apart():
+    budget = 10**9
+    first, second = BranchingNet(d=32, blocks=1), BranchingNet(d=48, blocks=1)  # other sizes: other graphs
+    compiled_first = dpcs_compile(first, memory_budget=budget)
+    train(first, compiled_first, torch.randn(64, 32), 3)
+    compiled_second = dpcs_compile(second, memory_budget=budget)
+    train(second, compiled_second, torch.randn(64, 48), 3)
+    records = step_records()
+    assert len(records) == 2
+    assert not set(records[0].calls) & set(records[1].calls)
+    assert all(r.shapes == 1 for r in records)
+
+
+def test_a_measured_excess_is_counted_as_outside_memory_and_planned_again_at_most_twice():
+    STEPS.reset()
+    key = (("a", "b"), ((), ()))
+    shape = StepShape(instances=("a", "b"), parameter_bytes=100)
+    STEPS.predicted = 10_000_000
+    STEPS._correct(key, shape, 10_000_000 + 1000, [])  # within the tolerance: nothing
+    assert not STEPS.to_plan and key not in STEPS.outside_measured
+    for round_ in range(MAX_CORRECTIONS):
+        STEPS.to_plan = False
+        STEPS._correct(key, shape, 11_000_000, [])
+        assert STEPS.to_plan and STEPS.outside_measured[key] == (round_ + 1) * 1_000_000
+        assert STEPS.shapes[key][0].outside_bytes == 1_000_000
+    STEPS.to_plan = False
+    STEPS._correct(key, shape, 11_000_000, [])
+    assert not STEPS.to_plan  # a third excess is reported, not planned again
+    STEPS.reset()
