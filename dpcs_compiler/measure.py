@@ -50,8 +50,11 @@ def resident_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-# Kineto writes these to stderr at every profiler start and stop ("USDT: ... profiler_start").
-_PROFILER_NOISE = re.compile(rb"^(USDT|STAGE):\S* \S+ \S+ \S+\] ")
+# Kineto writes these to stderr at every profiler start and stop ("USDT: ... profiler_start"); the CPU
+# allocator's reporter warns when a block allocated before profiling is freed during it (every 1000th time).
+_PROFILER_NOISE = re.compile(
+    rb"^(USDT|STAGE):\S* \S+ \S+ \S+\] |^\[W\S* \S+ CPUAllocator\.cpp:\d+\] Memory block of unknown size"
+)
 
 
 @contextlib.contextmanager
@@ -78,6 +81,91 @@ def quiet_profiler_logs() -> Iterator[None]:
                 os.write(2, kept)
 
 
+class CpuMemoryProfile:
+    """The CPU allocator's events from `start()` to `stop()`, read from the profiler (`profile_memory=True`).
+
+    A `mark(name)` in between (from any thread the profiler follows, the autograd engine's included) records a
+    point in time; `window_peaks` gives the peak above the level at `start()` between such points. Stop
+    it from the thread that started it, outside a backward: the autograd engine restores a thread's profiler
+    state after its hooks, so a profiler stopped inside one stays on for that thread.
+    Functions that want the profiler to themselves finish these first (`BEFORE_PROFILING`).
+    """
+
+    def __init__(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._events: list[Any] | None = None
+
+    @staticmethod
+    def busy() -> bool:
+        """Whether a profiler is on in this thread (another cannot start)."""
+        return bool(torch.autograd.profiler._is_profiler_enabled)
+
+    _primed = False
+
+    def start(self) -> CpuMemoryProfile:
+        with quiet_profiler_logs():
+            primer = torch.empty(64, dtype=torch.uint8) if not CpuMemoryProfile._primed else None
+            self._profile.start()
+            # The allocator warns at the first free of a block allocated before profiling, and then at every
+            # 1000th: a measured training step frees such blocks (the last step's loss). Make the first here,
+            # where the warning is filtered, not in the user's step.
+            del primer
+            CpuMemoryProfile._primed = True
+        return self
+
+    @staticmethod
+    def mark(name: str) -> None:
+        with torch.profiler.record_function(name):
+            pass
+
+    def stop(self) -> None:
+        if self._events is not None:
+            return
+        with quiet_profiler_logs():
+            self._profile.stop()
+        self._events = list(self._profile.profiler.kineto_results.events())
+
+    def mark_times(self, name: str) -> list[int]:
+        """When each mark `name` was made (profiler clock, ns), in order; stops the profiler first."""
+        return sorted(e.start_ns() for e in self._stopped_events() if e.name() == name)
+
+    def window_peaks(self, bounds: Sequence[int]) -> list[int]:
+        """The highest bytes allocated above the level at `start()` in each window: up to `bounds[0]`, then
+        between consecutive bounds (profiler clock, ns, ascending), then after the last; stops the profiler."""
+        memory = sorted(
+            ((e.start_ns(), e.nbytes()) for e in self._stopped_events()
+             if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU),
+            key=lambda event: event[0],  # stable: events at one instant keep their order
+        )
+        peaks = [0] * (len(bounds) + 1)
+        window = level = 0
+        for at, nbytes in memory:
+            while window < len(bounds) and at > bounds[window]:
+                window += 1
+                peaks[window] = level  # what is allocated when a window opens counts in it
+            level += nbytes
+            peaks[window] = max(peaks[window], level)
+        for later in range(window + 1, len(peaks)):
+            peaks[later] = level
+        return peaks
+
+    def peak_increase_bytes(self) -> int:
+        """The highest bytes allocated above the level at `start()`; stops the profiler first."""
+        return self.window_peaks(())[0]
+
+    def _stopped_events(self) -> list[Any]:
+        self.stop()
+        assert self._events is not None
+        return self._events
+
+
+# Called before dpcs measures with the profiler: whoever keeps a profiler running across calls (the step
+# recorder's meter) finishes with it, as only one profiler runs at a time.
+BEFORE_PROFILING: list[Callable[[], None]] = []
+
+
 def measure_peak_memory(fn: Callable[..., T], *args: Any, device: str | torch.device = "cpu", **kwargs: Any) -> tuple[T, PeakMemory]:
     """Run `fn(*args, **kwargs)` once and return its result and the peak memory it reached."""
     device = torch.device(device)
@@ -91,27 +179,14 @@ def measure_peak_memory(fn: Callable[..., T], *args: Any, device: str | torch.de
         return result, PeakMemory(str(device), peak, baseline)
     if device.type != "cpu":
         raise ValueError(f"measure_peak_memory: device {str(device)!r} is not supported; valid choices: 'cpu', 'cuda'")
-    from torch.profiler import ProfilerActivity, profile
-
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with quiet_profiler_logs():
-        prof.start()
+    for finish in BEFORE_PROFILING:
+        finish()
+    profile = CpuMemoryProfile().start()
     try:
         result = fn(*args, **kwargs)
     finally:
-        with quiet_profiler_logs():
-            prof.stop()
-    events = [
-        e
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
-    ]
-    events.sort(key=lambda e: e.start_ns())
-    level = peak = 0
-    for event in events:
-        level += event.nbytes()
-        peak = max(peak, level)
-    return result, PeakMemory("cpu", peak, None)
+        profile.stop()
+    return result, PeakMemory("cpu", profile.peak_increase_bytes(), None)
 
 
 @dataclasses.dataclass(frozen=True)

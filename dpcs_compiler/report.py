@@ -106,7 +106,8 @@ class StepRecord:
 
     calls: the graph of each forward call of the step where the peak is, in call order (a graph called per
         layer appears per call);
-    peak_graph / peak_node / peak_phase: the graph, schedule node and phase at the predicted peak;
+    peak_graph / peak_node / peak_phase: the graph, schedule node and phase at the predicted peak (phase
+        "turn": after the step's last forward, where eager code such as a loss runs, before its backward);
     replanned: the graphs were re-planned for the step (False: their own plans already fit it);
     holds_most: the graph that keeps the most for its backward while the others run.
     """
@@ -122,6 +123,10 @@ class StepRecord:
     replanned: bool
     holds_most: str | None = None
     outside_bytes: int = 0  # alive throughout the step outside its graphs (earlier micro-batches' gradients)
+    turn_bytes: int = 0  # measured at the step's turn (last forward to first backward) in eager code (a loss)
+    # The prediction a measured step is checked against: the highest inside the graphs, and at the turn.
+    graphs_peak_bytes: int | None = None
+    turn_peak_bytes: int | None = None
     shapes: int = 1  # step orders planned for together (a data-dependent branch makes several)
     contexts: dict[str, dict[str, Any] | None] = dataclasses.field(default_factory=dict)
 
@@ -167,12 +172,15 @@ def describe_step(record: StepRecord | dict[str, Any]) -> str:
     calls: dict[str, int] = {}
     for c in r["calls"]:
         calls[c] = calls.get(c, 0) + 1
-    where = f"{r['peak_graph']}" + (f" {r['peak_phase']}" if r["peak_phase"] else "") + f" at {r['peak_node'] or '?'}"
+    if r["peak_phase"] == "turn":
+        where = f"at the step's turn, after the forward of {r['peak_graph']} (eager code there included)"
+    else:
+        where = f"in {r['peak_graph']}" + (f" {r['peak_phase']}" if r["peak_phase"] else "") + f" at {r['peak_node'] or '?'}"
     budget = "no budget" if r["budget_bytes"] is None else f"budget {format_bytes(r['budget_bytes'])}"
     verdict = "fits" if r["feasible"] else "over budget"
     return (
         f"step ({len(r['calls'])} graph call{'s' if len(r['calls']) != 1 else ''}: "
         f"{', '.join(f'{g} x{n}' if n > 1 else g for g, n in calls.items())}): predicted peak "
-        f"{format_bytes(r['predicted_peak_bytes'])} in {where}; {budget}, {verdict}"
+        f"{format_bytes(r['predicted_peak_bytes'])} {where}; {budget}, {verdict}"
         + ("; graphs re-planned for the step" if r.get("replanned") else "")
     )

@@ -193,11 +193,17 @@ class StepShape:
     call_gradient_bytes: tuple[int, ...] = ()
     forward_extra_bytes: int = 0  # alive during every forward besides (FSDP2's prefetched next gather)
     backward_extra_bytes: int = 0  # and every backward (FSDP2's gathers and reduce-scatters in flight)
+    # Allocated at the step's turn, between its last forward and its first backward, by code outside the graphs
+    # (a loss in eager code: its logits, its softmax, their gradients); measured, as `outside_bytes` can be.
+    turn_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("inputs_held_before", "held_twice", "call_parameter_bytes", "call_gradient_bytes"):
             if getattr(self, name) and len(getattr(self, name)) != len(self.instances):
                 raise ValueError(f"StepShape.{name} needs one entry per call")
+
+
+TURN = "turn"  # the phase of a step's turn: after its last forward, before its first backward (eager code there)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,7 +214,7 @@ class StepPeak:
     graph: str  # the graph key
     shape: int  # which step shape (index into the shapes planned for)
     instance: int  # which call of that step (index into StepShape.instances)
-    phase: str  # "forward" or "backward"
+    phase: str  # "forward", "backward", or TURN (then graph/step: the last forward call, at its boundary)
     step: int  # the schedule step in that graph's own problem
 
 
@@ -246,21 +252,39 @@ def contexts_for(
     return {k: StepContext(forward[k], backward[k], caps.get(k)) for k in forward}
 
 
-def step_peak(shapes: Sequence[StepShape], graphs: Mapping[str, GraphStep], levels: Mapping[str, GraphLevels]) -> StepPeak:
-    """The step's peak under each graph's plan: at every call, its own peak plus what the others hold."""
+def step_peak(
+    shapes: Sequence[StepShape],
+    graphs: Mapping[str, GraphStep],
+    levels: Mapping[str, GraphLevels],
+    phases: Sequence[str] = ("forward", "backward", TURN),
+) -> StepPeak:
+    """The step's peak under each graph's plan: at every call, its own peak plus what the others hold; and at
+    each shape's turn, what the last call holds at its boundary, plus what the others hold, plus `turn_bytes`."""
     held = {k: graphs[k].held(levels[k].boundary) for k in levels}
     best: StepPeak | None = None
     for s, i, key, during_forward, during_backward in _calls(shapes, graphs, held):
         lv = levels[key]
+        last = i == len(shapes[s].instances) - 1
         for phase, own, at, extra in (
             ("forward", lv.forward_peak, lv.forward_peak_step, during_forward),
             ("backward", lv.backward_peak, lv.backward_peak_step, during_backward),
+            (TURN, lv.boundary, graphs[key].problem.backward_start, during_forward + shapes[s].turn_bytes),
         ):
+            if phase == TURN and not last or phase not in phases:
+                continue
             if at >= 0 and (best is None or own + extra > best.bytes):
                 best = StepPeak(own + extra, key, s, i, phase, at)
     if best is None:
         raise ValueError("a step needs at least one graph call")
     return best
+
+
+def predicted_levels(
+    shapes: Sequence[StepShape], graphs: Mapping[str, GraphStep], levels: Mapping[str, GraphLevels]
+) -> tuple[int, int]:
+    """What a measured step is checked against: the highest predicted bytes inside the graphs' forwards and
+    backwards, and at the step's turn."""
+    return step_peak(shapes, graphs, levels, ("forward", "backward")).bytes, step_peak(shapes, graphs, levels, (TURN,)).bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,7 +334,7 @@ def plan_step(
     target = min(g.target for g in graphs.values())
     levels = {k: GraphLevels.of(graphs[k].problem, current[k]) for k in graphs}
     peak = step_peak(shapes, graphs, levels)
-    alone = all(len(s.instances) == 1 and s.outside_bytes == 0 for s in shapes) and len(graphs) == 1
+    alone = all(len(s.instances) == 1 and s.outside_bytes == 0 and s.turn_bytes == 0 for s in shapes) and len(graphs) == 1
     if peak.bytes <= target or alone:
         return StepPlan(dict.fromkeys(graphs), dict(current), levels, peak, peak.bytes <= target, None, 0, alone)
     search = _LevelSearch(shapes, graphs, solver)

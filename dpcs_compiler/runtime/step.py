@@ -36,13 +36,17 @@ import torch.utils._pytree as pytree
 
 from dpcs_compiler import rank_agreement
 from dpcs_compiler.cost.step_model import (
+    TURN,
+    GraphLevels,
     GraphStep,
     StepContext,
     StepShape,
     boundary_level,
     plan_step,
+    predicted_levels,
 )
 from dpcs_compiler.debug.render import format_bytes
+from dpcs_compiler.measure import BEFORE_PROFILING, CpuMemoryProfile
 from dpcs_compiler.report import _ON_CLEAR, STEPS_FILE, StepRecord, add_step_record
 from dpcs_compiler.stages.job import BudgetInfeasibleError, describe_budget
 
@@ -85,6 +89,12 @@ class StepRecorder:
         """Forget every graph and step seen (their graphs stay as they are compiled)."""
         for d in list(getattr(self, "participants", ())):
             d._watch = False
+        if getattr(self, "due", None) is not None:
+            self.due = (self.due[0], None)  # its profiler is stopped, its reading dropped
+            self.finish_reading()
+        for meter in (getattr(self, "meter", None),):
+            if meter is not None and meter.profile is not None:
+                meter.profile.stop()
         self.participants: weakref.WeakSet[GraphDispatcher] = weakref.WeakSet()
         self.calls: list[_Call] = []
         self.pending = 0
@@ -97,8 +107,12 @@ class StepRecorder:
         # the meter of the step being measured, and per shape what was measured beyond the plan, counted.
         self.verify_in: int | None = None
         self.meter: _Meter | None = None
-        self.predicted: int | None = None
+        self.predicted: tuple[int, int] | None = None  # (peak outside the step's turn, at its turn), planned
+        self.last_measured: tuple[int, int] | None = None  # and the latest measured
+        self.due: tuple[_Meter, tuple | None] | None = None  # a CPU measurement waiting to be read
+        self.due_hook: Any = None  # the optimizer step pre-hook that reads it
         self.outside_measured: dict[tuple, int] = {}
+        self.turn_measured: dict[tuple, int] = {}
         self.corrections: dict[tuple, int] = {}
         self.quiet = 0
         self.to_plan = False
@@ -125,6 +139,10 @@ class StepRecorder:
 
     def call(self, dispatcher: GraphDispatcher, args: Sequence[Any]) -> Any:
         """Run one watched call, noting it when it starts an autograd graph."""
+        if self.due is not None and self.pending == 0:
+            self.finish_reading()  # the last step's measurement (CPU), now that it is over
+            if not dispatcher._watch:  # it was the last step to watch
+                return dispatcher._fn(*args)
         if not torch.is_grad_enabled():
             return dispatcher._fn(*args)
         if self.to_plan and self.pending == 0:
@@ -185,28 +203,80 @@ class StepRecorder:
             _Call(dispatcher, parameters, gradients, inputs, held, outside, dispatcher.bucket, own_gradients, gathered, fsdp)
         )
         self.pending += 1
-        node.register_hook(self._backward_done)
+        if self.meter is not None:
+            self.meter.mark(_Meter.FORWARD_END)
+        # A pre-hook, not a hook: the engine keeps a node's gradient inputs alive through the node for its hooks,
+        # which would hold the graph's incoming gradient for all its backward (a watched step would peak higher).
+        node.register_prehook(self._backward_starts)
         return out
 
-    def _backward_done(self, *_: Any) -> None:
+    def _backward_done(self) -> None:
         self.pending -= 1
         if self.pending > 0:
             return
         calls, partial = self.calls, self.partial
         meter, self.meter = self.meter, None
-        reading = meter.stop() if meter is not None else None
+        if meter is not None:
+            meter.mark(_Meter.STEP_END)
         self._reset()
         self.partial = False
         if partial or not calls:
+            if meter is not None and meter.profile is not None:
+                self._due(meter, None)  # its profiler stops outside the backward
             return
         shape, refs = self._shape(calls)
         key = (shape.instances, tuple(c.bucket for c in calls))
         self.latest, self.latest_key = key[1], key
         if self.verify_in is not None and self.verify_in > 0:
             self.verify_in -= 1
-        shape = dataclasses.replace(shape, outside_bytes=shape.outside_bytes + self.outside_measured.get(key, 0))
-        if reading is not None and self.predicted is not None:
-            self._correct(key, shape, reading, refs)
+        if meter is not None and meter.profile is not None:
+            # Read outside the backward (`finish_reading`): at the next call, the optimizer's step, or a measure.
+            baseline = shape.parameter_bytes + shape.outside_bytes + sum(calls[0].inputs.values())
+            self._due(meter, (key, shape, refs, baseline))
+            return
+        self._settle(key, shape, refs, meter.read(0) if meter is not None else None)
+
+    def _backward_starts(self, *_: Any) -> None:
+        """A call's backward starts: its end is counted when the backward pass that runs it ends."""
+        if self.meter is not None:
+            self.meter.mark(_Meter.BACKWARD_START)
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+
+    def _due(self, meter: _Meter, step: tuple | None) -> None:
+        self.due = (meter, step)
+        if self.due_hook is None:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            self.due_hook = register_optimizer_step_pre_hook(lambda *_: self.finish_reading())
+
+    def finish_reading(self) -> None:
+        """Read a CPU step measurement that waits for its profiler to stop (from the training thread, outside
+        a backward), and count what it shows."""
+        if self.due_hook is not None:
+            self.due_hook.remove()
+            self.due_hook = None
+        due, self.due = self.due, None
+        if due is None:
+            return
+        meter, step = due
+        if step is None:
+            if meter.profile is not None:
+                meter.profile.stop()
+            return
+        key, shape, refs, baseline = step
+        self._settle(key, shape, refs, meter.read(baseline))
+
+    def _settle(self, key: tuple, shape: StepShape, refs: list, measured: tuple[int, int] | None) -> None:
+        """A complete step of `shape`: count what its measurement (if any) shows beyond the plan, then plan it
+        if it is new or more demanding than the shape known, or count it towards stopping the watch."""
+        shape = dataclasses.replace(
+            shape,
+            outside_bytes=shape.outside_bytes + self.outside_measured.get(key, 0),
+            turn_bytes=shape.turn_bytes + self.turn_measured.get(key, 0),
+        )
+        if measured is not None and self.predicted is not None:
+            self.last_measured = measured
+            self._correct(key, shape, measured, refs)
             if self.to_plan:
                 return
         known = self.shapes[key][0] if key in self.shapes else None
@@ -222,24 +292,40 @@ class StepRecorder:
         self.quiet = 0
         self.to_plan = True
 
-    def _correct(self, key: tuple, shape: StepShape, measured: int | None, refs: list) -> None:
-        """Count what a measured planned step held beyond its plan (memory outside the graphs: a loss in eager
-        code, collectives in flight) as memory alive throughout it, and plan again (at most twice a shape)."""
-        if measured is None:
-            return
-        excess = measured - self.predicted
-        if excess <= max(CORRECTION_MIN_BYTES, int(CORRECTION_MIN_FRACTION * self.predicted)):
+    def _correct(self, key: tuple, shape: StepShape, measured: tuple[int, int], refs: list) -> None:
+        """Count what a measured planned step held beyond its plan, and plan it again (at most twice a shape).
+
+        `measured` and `self.predicted` are (the peak outside the step's turn, at its turn). Beyond the plan
+        outside the turn (memory no graph shows: collectives in flight, eager code between graphs) counts as
+        alive throughout the step; beyond it at the turn (a loss in eager code) counts at the turn only."""
+        assert self.predicted is not None
+        predicted_graphs, predicted_turn = self.predicted
+        tolerance = max(CORRECTION_MIN_BYTES, int(CORRECTION_MIN_FRACTION * max(self.predicted)))
+        outside = max(0, measured[0] - predicted_graphs)
+        outside = outside if outside > tolerance else 0
+        turn = max(0, measured[1] - predicted_turn - outside)  # the turn's prediction counts `outside` too
+        turn = turn if turn > tolerance else 0
+        if not outside and not turn:
             return
         if self.corrections.get(key, 0) >= MAX_CORRECTIONS:
-            log.warning("dpcs: the step measured %d B beyond its plan again; not planned again", excess)
+            log.warning("dpcs: the step measured %d B beyond its plan again; not planned again", max(outside, turn))
             return
-        self.corrections[key] = self.corrections.get(key, 0) + 1
-        self.outside_measured[key] = self.outside_measured.get(key, 0) + excess
-        log.info("dpcs: the step measured %d B beyond its plan's %d B: counted as memory outside its graphs", excess,
-                 self.predicted)
-        self.shapes[key] = (dataclasses.replace(shape, outside_bytes=shape.outside_bytes + excess), refs)
-        self.quiet = 0
-        self.to_plan = True
+        self.outside_measured[key] = self.outside_measured.get(key, 0) + outside
+        self.turn_measured[key] = self.turn_measured.get(key, 0) + turn
+        shape = dataclasses.replace(shape, outside_bytes=shape.outside_bytes + outside, turn_bytes=shape.turn_bytes + turn)
+        self.shapes[key] = (shape, refs)
+        # Planned again only if what was counted raises the step's predicted peak (a turn below the graphs' peak
+        # changes nothing now; later plans of the step count it).
+        replan = max(predicted_graphs + outside, predicted_turn + outside + turn) > max(self.predicted)
+        log.info(
+            "dpcs: the step measured %d B beyond its plan's %d B outside its turn (counted as memory outside its "
+            "graphs) and %d B beyond its %d B at its turn (counted as eager code's there)%s",
+            outside, predicted_graphs, turn, predicted_turn, "; planned again" if replan else "",
+        )
+        if replan:
+            self.corrections[key] = self.corrections.get(key, 0) + 1
+            self.quiet = 0
+            self.to_plan = True
 
     @staticmethod
     def _shape(calls: list[_Call]) -> tuple[StepShape, list[weakref.ref[GraphDispatcher]]]:
@@ -332,6 +418,14 @@ class StepRecorder:
         record, message = rank_agreement.from_rank_zero(decide, "step plan") if agreeing else decide()
         self.plans += 1
         if record is None:
+            (only,) = dispatchers.values() if len(dispatchers) == 1 else (None,)
+            graph = only.step_graph() if only is not None else None
+            if graph is not None:
+                # One graph alone: its own plan is the step's. Measure this step against its prediction, so
+                # what the step allocates outside the graph (a loss in eager code) is counted if it goes over.
+                g, decisions = graph
+                levels = {only.name: GraphLevels.of(g.problem, decisions)}
+                self.verify_in, self.predicted = 0, predicted_levels(shapes, {only.name: g}, levels)
             return None
         add_step_record(record)
         for root in {d.options.dump_dir for d in dispatchers.values() if d.options.dump_dir is not None}:
@@ -351,7 +445,7 @@ class StepRecorder:
             for name, d in dispatchers.items():
                 d.set_step_context(StepContext.parse(record.contexts.get(name)))
         # Measure the step after the next one (the next compiles the new variants) against the prediction.
-        self.verify_in, self.predicted = 1, record.predicted_peak_bytes
+        self.verify_in, self.predicted = 1, (record.graphs_peak_bytes, record.turn_peak_bytes)
         return record
 
     @staticmethod
@@ -375,6 +469,7 @@ class StepRecorder:
         budget = min(int(d.current_budget_bytes or 0) for d in dispatchers.values()) or None
         peak = plan.peak
         peak_node = _node_name(dispatchers[peak.graph], peak.step)
+        graphs_peak, turn_peak = predicted_levels(shapes, graphs, plan.levels)
         holds_most = plan.holds_most(graphs)
         record = StepRecord(
             step=f"step_{next(_step_ids):03d}",
@@ -388,6 +483,9 @@ class StepRecorder:
             replanned=plan.level is not None,
             holds_most=holds_most,
             outside_bytes=max(s.outside_bytes for s in shapes),
+            turn_bytes=max(s.turn_bytes for s in shapes),
+            graphs_peak_bytes=graphs_peak,
+            turn_peak_bytes=turn_peak,
             shapes=len(shapes),
             contexts={k: (c.to_json() if c else None) for k, c in plan.contexts.items()},
         )
@@ -397,36 +495,74 @@ class StepRecorder:
         message = (
             f"{describe_budget(budget or 0)} cannot be met for the training step of {len(record.calls)} graph calls "
             f"({', '.join(_counted(record.calls))}): the smallest step peak dpcs can reach is "
-            f"{format_bytes(peak.bytes)} ({peak.bytes} B), in the {peak.phase} of {peak.graph} at {peak_node}; "
+            f"{format_bytes(peak.bytes)} ({peak.bytes} B), {_where(peak.phase, peak.graph, peak_node)}; "
             f"{holds_most} holds the most for its backward while the others run ({format_bytes(held)})"
         )
         return record, message
 
 
 class _Meter:
-    """The peak of one step, measured by the CUDA caching allocator (absolute: everything allocated counts,
-    optimizer state and memory outside the graphs included).
+    """The absolute peak of one step, from its first forward call to the end of its last backward, in two
+    parts: at the step's turn (after its last forward call returned, before its first backward started: eager
+    code there, such as a loss) and elsewhere.
 
-    CPU steps are not measured: the CPU allocator keeps no statistics, and the profiler's memory events
-    cannot be read from inside the backward (the autograd engine restores the profiler's thread state
-    after its hooks run, so a profiler stopped in the hook that ends the step stays on)."""
+    CUDA: the caching allocator's peak between marks (everything allocated counts: optimizer state and memory
+    outside the graphs included; each mark synchronizes). CPU: the profiler's memory events, with the marks
+    recorded in its timeline, above `baseline`: what the step's own tensors hold when it starts, counted from
+    its calls (parameters, gradients already there, DDP's buckets, FSDP2's shards, the first call's inputs).
+    Memory allocated before the step for anything else (optimizer state) is not seen on CPU. The profiler is
+    stopped later, outside the backward (`read`): one stopped inside a backward hook stays on for its thread.
+    No CPU step is measured while another profiler runs.
+    """
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    FORWARD_END, BACKWARD_START, STEP_END = "dpcs::forward_end", "dpcs::backward_start", "dpcs::step_end"
+
+    def __init__(self, device: torch.device, profile: CpuMemoryProfile | None = None) -> None:
+        self.device, self.profile = device, profile
+        self.windows: list[tuple[str, int]] = []  # CUDA: (mark, the allocator's peak since the one before)
+        self.backward_started = False
 
     @classmethod
     def start(cls, args: Sequence[Any]) -> _Meter | None:
         device = next((x.device for x in args if isinstance(x, torch.Tensor)), torch.device("cpu"))
-        if device.type != "cuda":
-            return None
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        return cls(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            return cls(device)
+        if device.type == "cpu" and not CpuMemoryProfile.busy():
+            return cls(device, CpuMemoryProfile().start())
+        return None
 
-    def stop(self) -> int:
-        """The allocator's absolute peak since `start`."""
+    def mark(self, name: str) -> None:
+        if name == self.BACKWARD_START:
+            if self.backward_started:
+                return
+            self.backward_started = True
+        if self.profile is not None:
+            CpuMemoryProfile.mark(name)
+            return
         torch.cuda.synchronize(self.device)
-        return int(torch.cuda.max_memory_allocated(self.device))
+        self.windows.append((name, int(torch.cuda.max_memory_allocated(self.device))))
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def read(self, baseline: int) -> tuple[int, int] | None:
+        """(the step's absolute peak outside its turn, at its turn), outside the backward (a CPU profiler is
+        stopped here); None if it was not measured to its end."""
+        if self.profile is not None:
+            ends, starts, done = (self.profile.mark_times(n) for n in (self.FORWARD_END, self.BACKWARD_START, self.STEP_END))
+            if not (ends and starts and done) or ends[0] > starts[0]:
+                return None
+            turn_start = max(t for t in ends if t <= starts[0])
+            before, turn, after, _ = self.profile.window_peaks([turn_start, starts[0], done[0]])
+            return baseline + max(before, after), baseline + turn
+        names = [n for n, _ in self.windows]
+        if self.STEP_END not in names or self.BACKWARD_START not in names:
+            return None
+        turn = names.index(self.BACKWARD_START)
+        if turn == 0 or names[turn - 1] != self.FORWARD_END:
+            return None
+        others = [peak for i, (_, peak) in enumerate(self.windows) if i != turn]
+        return max(others), self.windows[turn][1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -500,6 +636,7 @@ def _covering(a: StepShape, b: StepShape) -> StepShape:
         call_gradient_bytes=most(a.call_gradient_bytes, b.call_gradient_bytes),
         forward_extra_bytes=max(a.forward_extra_bytes, b.forward_extra_bytes),
         backward_extra_bytes=max(a.backward_extra_bytes, b.backward_extra_bytes),
+        turn_bytes=max(a.turn_bytes, b.turn_bytes),
     )
 
 
@@ -518,6 +655,12 @@ def _node_name(dispatcher: GraphDispatcher, step: int) -> str | None:
     return names[step] if 0 <= step < len(names) else None
 
 
+def _where(phase: str, graph: str, node: str | None) -> str:
+    if phase == TURN:
+        return f"at the step's turn, after the forward of {graph} (eager code there, such as a loss, included)"
+    return f"in the {phase} of {graph} at {node}"
+
+
 def _counted(calls: Sequence[str]) -> list[str]:
     """Graph names with their call counts, in first-call order."""
     counts: dict[str, int] = {}
@@ -528,3 +671,4 @@ def _counted(calls: Sequence[str]) -> list[str]:
 
 STEPS = StepRecorder()
 _ON_CLEAR.append(STEPS.reset)
+BEFORE_PROFILING.append(STEPS.finish_reading)

@@ -200,3 +200,75 @@ def test_graph_breaks_hold_the_step_budget_under_inductor(step_range):
     print(f"inductor, budget {budget} B: measured {measured} B, predicted {record.predicted_peak_bytes} B")
     assert record.feasible and measured <= budget
     torch.testing.assert_close(compiled_gradients(w, compiled), expected, atol=1e-5, rtol=1e-4)
+
+
+class Backbone(torch.nn.Module):
+    """Residual MLP blocks: the part of a contrastive model that is compiled."""
+
+    def __init__(self, d: int = 128, hidden: int = 512, blocks: int = 3) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(d, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, d)) for _ in range(blocks)
+        )
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def contrastive_loss(z: torch.Tensor) -> torch.Tensor:
+    """A loss in eager code, as users write it after a compiled model: every row against every other (N x N
+    logits, their log-softmax and gradient), no parameters."""
+    return torch.nn.functional.cross_entropy(z @ z.T, torch.arange(z.shape[0]))
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.5])
+def test_a_loss_in_eager_code_is_measured_and_counted_at_the_steps_turn(fraction):
+    """The graph's own plan fits the budget but the step does not: the eager loss allocates 48 MB between the
+    forward and the backward, which no graph shows. The recorder measures a step (the profiler on CPU),
+    counts what eager code holds at the step's turn, and re-plans: the step then holds the budget."""
+    torch.manual_seed(0)
+    model, x = Backbone(), torch.randn(2048, 128)
+    resident = resident_bytes([*model.parameters(), x])
+
+    def measured(**options):
+        torch._dynamo.reset()
+        clear_compile_records()
+        compiled = dpcs_compile(model, **options)
+
+        def step():
+            model.zero_grad(set_to_none=True)
+            contrastive_loss(compiled(x)).backward()
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for _ in range(5):
+                step()
+            model.zero_grad(set_to_none=True)
+            _, peak = measure_peak_memory(step)
+        return peak.absolute(resident), compiled
+
+    unplanned, _ = measured()
+    _, _ = measured(memory_budget=1, on_infeasible="best")
+    lowest = step_records()[-1].predicted_peak_bytes
+    assert step_records()[-1].peak_phase == "turn"  # the eager loss is what limits the step
+    budget = int(lowest / (1 - WORKSPACE_FRACTION) + fraction * (unplanned - lowest))
+    (own,) = [r for r in compile_records() if r.mode == "training"][:1]
+    assert own.predicted_peak_bytes < budget < unplanned  # the graph alone fits; the step without dpcs does not
+
+    alone, _ = measured(memory_budget=budget, budget_scope="graph")  # no step planning: nothing measured
+    step_peak, compiled = measured(memory_budget=budget)
+    record = step_records()[-1]
+    print(f"budget {budget} B: measured {step_peak} B, predicted {record.predicted_peak_bytes} B "
+          f"({record.turn_bytes} B counted at the turn); graph planned alone {alone} B, no budget {unplanned} B")
+    assert alone > budget
+    assert step_peak <= budget
+    assert record.feasible and record.replanned and record.turn_bytes > 30_000_000
+    assert step_peak <= record.predicted_peak_bytes <= 1.01 * step_peak
+    model.zero_grad(set_to_none=True)
+    contrastive_loss(compiled(x)).backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    contrastive_loss(model(x)).backward()
+    torch.testing.assert_close(got, {n: p.grad for n, p in model.named_parameters()}, atol=1e-5, rtol=1e-4)

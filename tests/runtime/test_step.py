@@ -66,15 +66,34 @@ def test_a_measured_excess_is_counted_as_outside_memory_and_planned_again_at_mos
     STEPS.reset()
     key = (("a", "b"), ((), ()))
     shape = StepShape(instances=("a", "b"), parameter_bytes=100)
-    STEPS.predicted = 10_000_000
-    STEPS._correct(key, shape, 10_000_000 + 1000, [])  # within the tolerance: nothing
+    STEPS.predicted = (10_000_000, 8_000_000)  # (inside the graphs, at the step's turn)
+    STEPS._correct(key, shape, (10_000_000 + 1000, 8_000_000 + 1000), [])  # within the tolerance: nothing
     assert not STEPS.to_plan and key not in STEPS.outside_measured
     for round_ in range(MAX_CORRECTIONS):
         STEPS.to_plan = False
-        STEPS._correct(key, shape, 11_000_000, [])
+        STEPS._correct(key, shape, (11_000_000, 8_000_000), [])
         assert STEPS.to_plan and STEPS.outside_measured[key] == (round_ + 1) * 1_000_000
         assert STEPS.shapes[key][0].outside_bytes == 1_000_000
+        assert STEPS.shapes[key][0].turn_bytes == 0  # the turn's 8 MB were predicted, and 1 MB more is outside's
     STEPS.to_plan = False
-    STEPS._correct(key, shape, 11_000_000, [])
+    STEPS._correct(key, shape, (11_000_000, 9_000_000), [])
     assert not STEPS.to_plan  # a third excess is reported, not planned again
+    STEPS.reset()
+
+
+def test_a_measured_excess_at_the_steps_turn_is_counted_there_only():
+    """What eager code allocates between the last forward and the first backward (a loss) is counted at the
+    turn; outside memory counted throughout is not counted at the turn again."""
+    STEPS.reset()
+    key = (("a",), ((),))
+    shape = StepShape(instances=("a",), parameter_bytes=100)
+    STEPS.predicted = (10_000_000, 8_000_000)
+    STEPS._correct(key, shape, (10_000_000, 15_000_000), [])
+    counted = STEPS.shapes[key][0]
+    assert STEPS.to_plan and (counted.outside_bytes, counted.turn_bytes) == (0, 7_000_000)
+    STEPS.to_plan = False
+    STEPS.shapes.clear()
+    STEPS._correct(key, shape, (12_000_000, 15_000_000), [])  # 2 MB throughout, so 5 MB more at the turn
+    counted = STEPS.shapes[key][0]
+    assert (counted.outside_bytes, counted.turn_bytes) == (2_000_000, 5_000_000)
     STEPS.reset()
