@@ -46,6 +46,9 @@ class StepContext:
     backward_bytes: int = 0
     boundary_cap: int | None = None
     target: int | None = None  # the peak to plan for, when no step plan fits the budget: the lowest reached
+    # Before the step's order is known, for a graph that ends at a graph break (more graphs follow while it
+    # holds what it saved): hold as little as its plans within the target can (`least_held_cap`).
+    hold_least: bool = False
 
     def __post_init__(self) -> None:
         for name in ("forward_bytes", "backward_bytes"):
@@ -68,7 +71,7 @@ class StepContext:
             return cls(**value)
         raise ValueError(
             f"dpcs option 'step_context'={value!r} is not valid; valid choices: None, or a dict with keys "
-            "'forward_bytes', 'backward_bytes', 'boundary_cap', 'target' (set by dpcs's step planner)"
+            "'forward_bytes', 'backward_bytes', 'boundary_cap', 'target', 'hold_least' (set by dpcs's step planner)"
         )
 
 
@@ -121,6 +124,19 @@ def lowest_boundary_decisions(problem: MemoryProblem) -> tuple[str, ...]:
     """Each candidate recomputed where it can be, else offloaded where it can be, else saved: the plan that
     holds least between forward and backward."""
     return tuple(RECOMPUTE if c.can_recompute else OFFLOAD if c.can_offload else SAVE for c in problem.candidates)
+
+
+def least_held_cap(problem: MemoryProblem, context: StepContext, target: int, solver: Solver) -> int | None:
+    """The lowest cap on what `problem` holds between its forward and backward under which it has a plan within
+    `target` in `context`, tried at LEVEL_GRID + 1 levels of its range, lowest first (holding least is not
+    always feasible: recomputing everything raises backward peaks); None if no level has a plan."""
+    low = boundary_level(problem, lowest_boundary_decisions(problem))
+    high = boundary_level(problem, problem.all_saved())
+    for i in range(LEVEL_GRID + 1):
+        cap = int(low + i / LEVEL_GRID * (high - low))
+        if solver(in_step(problem, dataclasses.replace(context, boundary_cap=cap, hold_least=False), target), target)[1]:
+            return cap
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,13 +334,15 @@ def plan_step(
     graphs: Mapping[str, GraphStep],
     current: Mapping[str, tuple[str, ...]],
     solver: Solver,
+    settled: bool = True,
 ) -> StepPlan:
     """Contexts under which every graph of the step has a plan and the step's peak fits, in every step shape
     seen (a data-dependent branch can make steps of different graphs).
 
     `current` holds each graph's plan as compiled. If those already fit the step (every call's own peak plus
-    what the others hold stays within its target), nothing changes (`level` None, `contexts` None each); a
-    step of one call with nothing alive around it is that graph's own plan. Otherwise the highest shared
+    what the others hold stays within its target) and are `settled` (not first plans, made before the step's
+    order was known), nothing changes (`level` None, `contexts` None each); a step of one call with nothing
+    alive around it is that graph's own plan. Otherwise the highest shared
     level with a plan is searched (`_LevelSearch`); if no level has one, the result is infeasible, with the
     plans of the smallest step peak found (by bisection on the target).
     """
@@ -335,7 +353,7 @@ def plan_step(
     levels = {k: GraphLevels.of(graphs[k].problem, current[k]) for k in graphs}
     peak = step_peak(shapes, graphs, levels)
     alone = all(len(s.instances) == 1 and s.outside_bytes == 0 and s.turn_bytes == 0 for s in shapes) and len(graphs) == 1
-    if peak.bytes <= target or alone:
+    if peak.bytes <= target and settled or alone:
         return StepPlan(dict.fromkeys(graphs), dict(current), levels, peak, peak.bytes <= target, None, 0, alone)
     search = _LevelSearch(shapes, graphs, solver)
     found = search.at(target)

@@ -48,6 +48,7 @@ from dpcs_compiler.cost.step_model import (
 from dpcs_compiler.debug.render import format_bytes
 from dpcs_compiler.measure import BEFORE_PROFILING, CpuMemoryProfile
 from dpcs_compiler.report import _ON_CLEAR, STEPS_FILE, StepRecord, add_step_record
+from dpcs_compiler.solve import solved_decisions
 from dpcs_compiler.stages.job import BudgetInfeasibleError, describe_budget
 
 if TYPE_CHECKING:
@@ -423,6 +424,10 @@ class StepRecorder:
             if graph is not None:
                 # One graph alone: its own plan is the step's. Measure this step against its prediction, so
                 # what the step allocates outside the graph (a loss in eager code) is counted if it goes over.
+                if only.bucket in only.provisional:  # a first plan (it ended at a graph break): its own from now,
+                    only.set_step_context(None)  # checked at the next step
+                    self.to_plan = True
+                    return None
                 g, decisions = graph
                 levels = {only.name: GraphLevels.of(g.problem, decisions)}
                 self.verify_in, self.predicted = 0, predicted_levels(shapes, {only.name: g}, levels)
@@ -463,7 +468,8 @@ class StepRecorder:
                 )
                 return None, None
             graphs[name], current[name] = step_graph
-        plan = plan_step(shapes, graphs, current, _solve)
+        settled = not any(d.bucket in d.provisional for d in dispatchers.values())
+        plan = plan_step(shapes, graphs, current, solved_decisions, settled)
         if plan.alone:
             return None, None  # one graph: its own plan is the step's (its compile raised or warned already)
         budget = min(int(d.current_budget_bytes or 0) for d in dispatchers.values()) or None
@@ -638,14 +644,6 @@ def _covering(a: StepShape, b: StepShape) -> StepShape:
         backward_extra_bytes=max(a.backward_extra_bytes, b.backward_extra_bytes),
         turn_bytes=max(a.turn_bytes, b.turn_bytes),
     )
-
-
-def _solve(problem: Any, target: int) -> tuple[tuple[str, ...], bool]:
-    from dpcs_compiler.solve import solve
-    from dpcs_compiler.solve.solution import measured_solution
-
-    solution = solve(problem, target) if problem.candidates else measured_solution(problem, (), target, "none", 0.0)
-    return solution.decisions, solution.feasible
 
 
 def _node_name(dispatcher: GraphDispatcher, step: int) -> str | None:

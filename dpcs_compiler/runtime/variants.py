@@ -101,19 +101,20 @@ class _Unbound(VariantControl):
 
 UNBOUND = _Unbound()
 _dispatchers: weakref.WeakSet[GraphDispatcher] = weakref.WeakSet()
-# id(parameter) -> control of the Runtime that drives the model holding it.
-_controls_by_parameter: dict[int, weakref.ref[VariantControl]] = {}
+# id(parameter) -> (the parameter, the control of the Runtime that drives the model holding it), both weakly:
+# an id is checked against its parameter, as a dead parameter's id is reused.
+_controls_by_parameter: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[VariantControl]]] = {}
 
 
 def register_parameters(control: VariantControl, parameters: Iterable[torch.Tensor]) -> list[GraphDispatcher]:
     """Drive the graphs that take any of `parameters` by `control`: graphs compiled later bind when they
     compile; those already compiled bind now. Returns the dispatchers bound now."""
-    ids = {id(p) for p in parameters}
-    for pid in ids:
-        _controls_by_parameter[pid] = weakref.ref(control)
+    parameters = list(parameters)
+    for p in parameters:
+        _controls_by_parameter[id(p)] = (weakref.ref(p), weakref.ref(control))
     bound = []
     for dispatcher in list(_dispatchers):
-        if dispatcher.parameter_ids & ids:
+        if any(dispatcher.takes(p) for p in parameters):
             dispatcher.bind(control)
             bound.append(dispatcher)
     return bound
@@ -121,18 +122,17 @@ def register_parameters(control: VariantControl, parameters: Iterable[torch.Tens
 
 def unregister_parameters(control: VariantControl) -> None:
     """Release the graphs `control` drives: they return to their compile options."""
-    for pid, ref in list(_controls_by_parameter.items()):
+    for pid, (_, ref) in list(_controls_by_parameter.items()):
         if ref() is control or ref() is None:
             del _controls_by_parameter[pid]
     for dispatcher in list(control.dispatchers):
         dispatcher.bind(UNBOUND)
 
 
-def _control_for(parameter_ids: frozenset[int]) -> VariantControl:
-    for pid in parameter_ids:
-        ref = _controls_by_parameter.get(pid)
-        control = ref() if ref is not None else None
-        if control is not None:
+def _control_for(parameters: Iterable[torch.Tensor]) -> VariantControl:
+    for p in parameters:
+        entry = _controls_by_parameter.get(id(p))
+        if entry is not None and entry[0]() is p and (control := entry[1]()) is not None:
             return control
     return UNBOUND
 
@@ -192,9 +192,10 @@ class GraphDispatcher:
             self.fake_inputs = None
             self.no_variants = f"its inputs cannot be kept as fake tensors ({type(error).__name__}: {error})"
             log.warning("%s; a Runtime cannot switch this graph to other variants", self.no_variants)
-        self.parameter_ids = frozenset(
-            [id(x) for x in example_inputs if isinstance(x, torch.nn.Parameter)] + [id(p) for p in gm.parameters()]
-        )
+        # The parameters it takes, weakly (a dead parameter's id is reused): `takes`, `parameter_ids`.
+        self.parameter_refs = {
+            id(p): weakref.ref(p) for p in [*(x for x in example_inputs if isinstance(x, torch.nn.Parameter)), *gm.parameters()]
+        }
         self.modules = frozenset(m for node in gm.graph.nodes for m in module_stack(node) if m)
         self.fingerprint = graph_fingerprint(gm.code, example_inputs)
         self.name = "graph"
@@ -207,6 +208,7 @@ class GraphDispatcher:
         # Step planning (`runtime/step.py`): the context the step planner gave this graph, under which
         # decisions, and whether the step recorder is watching its calls.
         self.step_contexts: dict[tuple[int, ...], StepContext] = {}  # by size bucket
+        self.provisional: set[tuple[int, ...]] = set()  # buckets whose context was set before the step was known
         self.step_context_for: Decisions | None = None
         # Dynamic shapes: the shape symbols of the inputs, their traced sizes and the size bucket of the
         # current call; each bucket is its own variant, planned for the bucket's sizes (`size_bucket`).
@@ -218,7 +220,7 @@ class GraphDispatcher:
         self.jobs: dict[str, list[Any]] = {}  # variant key -> the jobs that compiled it (their memory problems)
         self._watch = False
         self._control_version = -1
-        self.bind(_control_for(self.parameter_ids))
+        self.bind(_control_for(p for ref in self.parameter_refs.values() if (p := ref()) is not None))
         # The first variant compiles now, inside Dynamo's compile (its tracing context current), from the
         # inputs Dynamo gave, as a backend without runtimes would.
         self.current_key = ""
@@ -226,10 +228,15 @@ class GraphDispatcher:
         if participates:
             from dpcs_compiler.runtime.step import STEPS
 
-            # Compiled in the middle of a step: planned against what the graphs that ran before it hold.
+            # Before the step's order is known (the step planner plans it again after the step): compiled in the
+            # middle of a step, planned against what the graphs that ran before it hold; ending at a graph break,
+            # so more graphs follow while it holds what it saved, planned to hold least.
             provisional = STEPS.provisional_context(example_inputs)
+            if getattr(getattr(gm, "compile_subgraph_reason", None), "graph_break", False):
+                provisional = dataclasses.replace(provisional or StepContext(), hold_least=True)
             if provisional is not None:
                 self.step_contexts[self.bucket] = provisional
+                self.provisional.add(self.bucket)
             self.step_context_for = self.control.decisions
         with warnings.catch_warnings():
             if self.step_context is not None:  # the step is planned as a whole after its first run
@@ -242,6 +249,16 @@ class GraphDispatcher:
         _dispatchers.add(self)
         if participates:
             STEPS.arm(self)
+
+    def takes(self, parameter: torch.Tensor) -> bool:
+        """Whether this graph takes `parameter` (as an input or as its own)."""
+        ref = self.parameter_refs.get(id(parameter))
+        return ref is not None and ref() is parameter
+
+    @property
+    def parameter_ids(self) -> frozenset[int]:
+        """The ids of the live parameters it takes."""
+        return frozenset(i for i, ref in self.parameter_refs.items() if ref() is not None)
 
     def bind(self, control: VariantControl) -> None:
         self.control.dispatchers.discard(self)
@@ -283,6 +300,7 @@ class GraphDispatcher:
             self.step_contexts.pop(self.bucket, None)
         else:
             self.step_contexts[self.bucket] = context
+        self.provisional.discard(self.bucket)
         self.step_context_for = self.control.decisions
         self._version = -1
 
@@ -311,10 +329,9 @@ class GraphDispatcher:
             params = [x for x in args if isinstance(x, torch.nn.Parameter)]
             if not any(is_fake(p) for p in params):  # DDP's graph splitting runs the pieces on fakes first
                 self._first_call = False
-                real = frozenset(map(id, params))
-                self.parameter_ids |= real
-                if self.control is UNBOUND and real:
-                    self.bind(_control_for(real))
+                self.parameter_refs.update((id(p), weakref.ref(p)) for p in params)
+                if self.control is UNBOUND and params:
+                    self.bind(_control_for(params))
         version = self.control.version
         if version != self._control_version:
             if self._control_version >= 0 and self.step_context is not None:

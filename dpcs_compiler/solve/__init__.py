@@ -10,7 +10,7 @@ from __future__ import annotations
 from dpcs_compiler.cost.memory_model import MemoryProblem
 from dpcs_compiler.solve.exact import solve_exact
 from dpcs_compiler.solve.fast import solve_fast
-from dpcs_compiler.solve.solution import Solution
+from dpcs_compiler.solve.solution import Solution, measured_solution
 
 METHODS = ("auto", "exact", "fast")
 # "auto" solves exactly up to this many candidates, within AUTO_EXACT_SECONDS (then the better of the
@@ -32,4 +32,18 @@ def solve(problem: MemoryProblem, budget_bytes: int, *, method: str = "auto") ->
     return solve_fast(problem, budget_bytes)
 
 
-__all__ = ["AUTO_EXACT_SECONDS", "EXACT_MAX_CANDIDATES", "METHODS", "Solution", "solve", "solve_exact", "solve_fast"]
+def solve_or_measure(problem: MemoryProblem, budget_bytes: int) -> Solution:
+    """`solve`, or, for a problem with nothing to decide, its one plan measured."""
+    return solve(problem, budget_bytes) if problem.candidates else measured_solution(problem, (), budget_bytes, "none", 0.0)
+
+
+def solved_decisions(problem: MemoryProblem, budget_bytes: int) -> tuple[tuple[str, ...], bool]:
+    """The solver as the step model takes it (`cost/step_model.Solver`): (decisions, feasible)."""
+    solution = solve_or_measure(problem, budget_bytes)
+    return solution.decisions, solution.feasible
+
+
+__all__ = [
+    "AUTO_EXACT_SECONDS", "EXACT_MAX_CANDIDATES", "METHODS", "Solution", "solve", "solve_exact", "solve_fast",
+    "solve_or_measure", "solved_decisions",
+]

@@ -15,7 +15,7 @@ from dpcs_compiler.cost.budget import DeviceMemory, resolve_budget
 from dpcs_compiler.cost.hardware import HardwareProfile
 from dpcs_compiler.cost.memory_model import OFFLOAD, RECOMPUTE, SAVE, plan_memory
 from dpcs_compiler.cost.op_time import node_seconds, transfer_seconds
-from dpcs_compiler.cost.step_model import in_step
+from dpcs_compiler.cost.step_model import in_step, least_held_cap
 from dpcs_compiler.debug.render import format_bytes
 from dpcs_compiler.passes.analysis import op_cost
 from dpcs_compiler.passes.analysis.planning import (
@@ -25,8 +25,7 @@ from dpcs_compiler.passes.analysis.planning import (
     step_sharing,
 )
 from dpcs_compiler.plan import ValueDecision
-from dpcs_compiler.solve import solve
-from dpcs_compiler.solve.solution import measured_solution
+from dpcs_compiler.solve import solve_or_measure, solved_decisions
 from dpcs_compiler.stages.job import (
     BudgetInfeasibleError,
     GraphJob,
@@ -102,8 +101,12 @@ def plan_memory_budget(job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: in
         target = job.target  # the budget less a workspace allowance (or the step plan's, `StepContext.target`)
         # In a step of several graphs: the others' bytes around this one, and the cap on what it holds
         # between its forward and backward (`cost/step_model.py`).
-        held = in_step(problem, options.step_context, target)
-        solution = solve(held, target) if held.candidates else measured_solution(held, (), target, "none", 0.0)
+        context = options.step_context
+        if context is not None and context.hold_least:  # the first step, its order unknown: hold least
+            cap = least_held_cap(problem, context, target, solved_decisions)
+            context = dataclasses.replace(context, boundary_cap=cap, hold_least=False)
+        held = in_step(problem, context, target)
+        solution = solve_or_measure(held, target)
         # The prediction: this graph's peak in its step (the cap is a bound, not bytes alive).
         solution = dataclasses.replace(
             solution, peak_bytes=plan_memory(job.in_step(problem, capped=False), solution.decisions).peak_bytes
@@ -134,7 +137,7 @@ def plan_memory_budget(job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: in
     )
     record = job.record
     record.budget_bytes, record.plan_feasible, record.solver = budget, solution.feasible, solution.solver
-    record.step_context = options.step_context.to_json() if options.step_context else None
+    record.step_context = dataclasses.replace(context, hold_least=options.step_context.hold_least).to_json() if context else None
     record.hardware_profile = f"{profile.device_key}: {resolved.describe()}"
     record.planned_for = profile.device_key if profile.device_type != device.type else None
     record.recomputed_values = decisions.count(RECOMPUTE)
@@ -168,3 +171,4 @@ def plan_memory_budget(job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: in
         record.recomputed_values, record.offloaded_values,
     )
     return planning
+
