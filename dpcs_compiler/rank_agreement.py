@@ -70,10 +70,11 @@ def from_rank_zero(compute: Callable[[], T], what: str) -> T:
 
 def smallest(value: int) -> int:
     """The smallest of every rank's `value`."""
-    return min(_gather(value))
+    return min(every_rank(value))
 
 
-def _gather(value: Any) -> list[Any]:
+def every_rank(value: T) -> list[T]:
+    """Every rank's `value`, in rank order (one all_gather of objects)."""
     import torch.distributed as dist
 
     _, size = world()
@@ -96,7 +97,7 @@ def check_plans_agree(graph: str, graph_fingerprint: str, plan_fields: dict[str,
     """
     rank, _ = world()
     mine = {"graph": graph, "fingerprint": graph_fingerprint, "fields": {k: _digest(v) for k, v in plan_fields.items()}}
-    everyone = _gather(mine)
+    everyone = every_rank(mine)
     if any(g["fingerprint"] != everyone[0]["fingerprint"] for g in everyone):
         ranks = ", ".join(f"rank {r}: {g['graph']} (graph {g['fingerprint']})" for r, g in enumerate(everyone))
         raise RankDisagreementError(
@@ -107,7 +108,7 @@ def check_plans_agree(graph: str, graph_fingerprint: str, plan_fields: dict[str,
     differing = sorted({k for g in everyone for k, d in g["fields"].items() if d != everyone[0]["fields"].get(k)})
     if not differing:
         return
-    details = _gather({k: plan_fields.get(k) for k in differing})  # every rank saw the same mismatch: all take it
+    details = every_rank({k: plan_fields.get(k) for k in differing})  # every rank saw the same mismatch: all take it
     lines = []
     for other in range(1, len(everyone)):
         diffs = [_describe(k, details[0][k], details[other][k]) for k in differing if details[0][k] != details[other][k]]

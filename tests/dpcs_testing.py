@@ -206,26 +206,72 @@ def recomputed_matmuls(monkeypatch):
 
 
 RANK_TIMEOUT_S = 240  # a rank that waits longer is hung: the test fails instead of hanging
+PEER_GRACE_S = 30  # once a rank failed, the others are given this long to finish or fail, then killed
 
 
 def run_rank_processes(commands: list[list[str]], envs: list[dict[str, str]]) -> None:
-    """Run one process per rank at once; fail naming what hung (stderr tails) or what failed."""
-    import subprocess
+    """Run one process per rank at once; fail naming what hung or what failed, with each failing rank's output.
 
-    processes = [
-        subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for command, env in zip(commands, envs)
-    ]
-    try:
-        outputs = [p.communicate(timeout=RANK_TIMEOUT_S) for p in processes]
-    except subprocess.TimeoutExpired:
-        for p in processes:
-            p.kill()
-        tails = [p.communicate()[1][-3000:] for p in processes]
-        pytest.fail(f"a rank did not finish within {RANK_TIMEOUT_S} s (hung in a collective?); stderr tails: {tails}")
-    finally:
-        for p in processes:
-            p.kill()
-    failed = [f"rank {rank} (exit {p.returncode}):\n{err[-6000:]}" for rank, (p, (_, err)) in enumerate(zip(processes, outputs))
-              if p.returncode != 0]
-    assert not failed, "\n\n".join(failed)
+    A rank killed by a signal is named by it (SIGABRT: abort(), e.g. an uncaught C++ exception, whose
+    "terminate called ..." line and faulthandler stacks are in its output). Once a rank has failed the others
+    get PEER_GRACE_S to fail too (a peer of a dead rank errors out of its next collective), then are killed;
+    a rank about to be killed is first sent SIGUSR1, on which the rank workers print every thread's stack.
+    Output goes to files, not pipes, so a rank never blocks on a full pipe and nothing is lost when one is killed.
+    """
+    import signal
+    import subprocess
+    import tempfile
+    import time
+
+    def describe(code: int | None) -> str:
+        if code is None:
+            return "killed by the test (still running)"
+        if code < 0:
+            with contextlib.suppress(ValueError):
+                return f"killed by {signal.Signals(-code).name} ({code})"
+        return f"exit {code}"
+
+    def excerpt(text: str, limit: int = 12000) -> str:
+        # The head keeps a "terminate called ..." line that precedes a long stack dump; the tail keeps the end.
+        if len(text) <= limit:
+            return text
+        return f"{text[: limit // 3]}\n[... {len(text) - limit} characters left out ...]\n{text[-2 * limit // 3:]}"
+
+    with contextlib.ExitStack() as stack:
+        logs = [stack.enter_context(tempfile.TemporaryFile()) for _ in commands]
+        processes = [
+            subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+            for command, env, log in zip(commands, envs, logs)
+        ]
+        codes: list[int | None] = [None] * len(processes)
+        deadline = time.monotonic() + RANK_TIMEOUT_S
+        hung = False
+        try:
+            while any(c is None for c in codes):
+                codes = [p.poll() for p in processes]
+                if any(c not in (None, 0) for c in codes):
+                    deadline = min(deadline, time.monotonic() + PEER_GRACE_S)
+                if time.monotonic() > deadline:
+                    hung = all(c in (None, 0) for c in codes)
+                    break
+                time.sleep(0.1)
+        finally:
+            running = [p for p in processes if p.poll() is None]
+            for p in running:
+                with contextlib.suppress(ProcessLookupError):
+                    p.send_signal(signal.SIGUSR1)
+            if running:
+                time.sleep(2)  # let the stacks be written
+            for p in processes:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+        outputs = []
+        for log in logs:
+            log.seek(0)
+            outputs.append(log.read().decode(errors="replace"))
+    reports = [f"rank {rank} ({describe(code)}):\n{excerpt(out)}" for rank, (code, out) in enumerate(zip(codes, outputs))
+               if code != 0]
+    if hung:
+        pytest.fail(f"a rank did not finish within {RANK_TIMEOUT_S} s (hung in a collective?):\n\n" + "\n\n".join(reports))
+    assert not reports, "\n\n".join(reports)

@@ -22,11 +22,13 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dpcs_testing import SQUARED_LINEARS_PRECISION, SquaredLinears  # noqa: E402
+from rank_process import leave, report_crashes  # noqa: E402
 from dpcs_compiler import compile_records, rank_agreement  # noqa: E402
 from dpcs_compiler.cost import hardware  # noqa: E402
 
 
 def main() -> None:
+    report_crashes()
     rank, world, store, budget, profile_json, result_json = sys.argv[1:7]
     rank, world, budget = int(rank), int(world), int(budget)
     own = json.loads(Path(profile_json).read_text()) | {"device_key": hardware.device_key("cpu"),
@@ -56,7 +58,7 @@ def main() -> None:
     except Exception as error:  # noqa: BLE001 - the test reads what each rank got
         result = {"error": f"{type(error).__name__}: {error}"}
     Path(result_json).write_text(json.dumps(result))
-    dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

@@ -90,12 +90,11 @@ class StepRecorder:
         """Forget every graph and step seen (their graphs stay as they are compiled)."""
         for d in list(getattr(self, "participants", ())):
             d._watch = False
-        if getattr(self, "due", None) is not None:
-            self.due = (self.due[0], None)  # its profiler is stopped, its reading dropped
-            self.finish_reading()
-        for meter in (getattr(self, "meter", None),):
-            if meter is not None and meter.profile is not None:
-                meter.profile.stop()
+        if getattr(self, "due_hook", None) is not None:
+            self.due_hook.remove()
+        for meter in (getattr(self, "meter", None), (getattr(self, "due", None) or (None,))[0]):
+            if meter is not None:
+                meter.discard()  # a measurement under way or waiting is dropped (no collective here)
         self.participants: weakref.WeakSet[GraphDispatcher] = weakref.WeakSet()
         self.calls: list[_Call] = []
         self.pending = 0
@@ -110,7 +109,9 @@ class StepRecorder:
         self.meter: _Meter | None = None
         self.predicted: tuple[int, int] | None = None  # (peak outside the step's turn, at its turn), planned
         self.last_measured: tuple[int, int] | None = None  # and the latest measured
-        self.due: tuple[_Meter, tuple | None] | None = None  # a CPU measurement waiting to be read
+        self.measuring = False  # this step is measured (every rank alike; `meter` None where it cannot be)
+        self.agreeing = False  # the ranks combine their measurements (a distributed job planned by rank 0)
+        self.due: tuple[_Meter | None, tuple | None] | None = None  # a measured step waiting to be read
         self.due_hook: Any = None  # the optimizer step pre-hook that reads it
         self.outside_measured: dict[tuple, int] = {}
         self.turn_measured: dict[tuple, int] = {}
@@ -150,8 +151,9 @@ class StepRecorder:
             self.plan()  # between steps: at the first forward call after a complete one
             if dispatcher._version != dispatcher.control.version:
                 dispatcher._select(args)
-        if self.verify_in == 0 and self.pending == 0 and self.meter is None:
+        if self.verify_in == 0 and self.pending == 0 and not self.measuring:
             self.verify_in = None
+            self.measuring = True
             self.meter = _Meter.start(args)
         from torch._subclasses.fake_tensor import is_fake
 
@@ -199,7 +201,9 @@ class StepRecorder:
             log.warning("dpcs: %d graph calls without their backwards; the step recording starts again", len(self.calls))
             self._reset()
             self.partial = True
-            self.meter = None
+            if self.meter is not None:
+                self.meter.discard()
+            self.meter, self.measuring = None, False
         self.calls.append(
             _Call(dispatcher, parameters, gradients, inputs, held, outside, dispatcher.bucket, own_gradients, gathered, fsdp)
         )
@@ -217,12 +221,13 @@ class StepRecorder:
             return
         calls, partial = self.calls, self.partial
         meter, self.meter = self.meter, None
+        measuring, self.measuring = self.measuring, False
         if meter is not None:
             meter.mark(_Meter.STEP_END)
         self._reset()
         self.partial = False
         if partial or not calls:
-            if meter is not None and meter.profile is not None:
+            if measuring:
                 self._due(meter, None)  # its profiler stops outside the backward
             return
         shape, refs = self._shape(calls)
@@ -230,12 +235,12 @@ class StepRecorder:
         self.latest, self.latest_key = key[1], key
         if self.verify_in is not None and self.verify_in > 0:
             self.verify_in -= 1
-        if meter is not None and meter.profile is not None:
+        if measuring:
             # Read outside the backward (`finish_reading`): at the next call, the optimizer's step, or a measure.
             baseline = shape.parameter_bytes + shape.outside_bytes + sum(calls[0].inputs.values())
             self._due(meter, (key, shape, refs, baseline))
             return
-        self._settle(key, shape, refs, meter.read(0) if meter is not None else None)
+        self._settle(key, shape, refs, None)
 
     def _backward_starts(self, *_: Any) -> None:
         """A call's backward starts: its end is counted when the backward pass that runs it ends."""
@@ -243,7 +248,7 @@ class StepRecorder:
             self.meter.mark(_Meter.BACKWARD_START)
         torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
 
-    def _due(self, meter: _Meter, step: tuple | None) -> None:
+    def _due(self, meter: _Meter | None, step: tuple | None) -> None:
         self.due = (meter, step)
         if self.due_hook is None:
             from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -251,8 +256,9 @@ class StepRecorder:
             self.due_hook = register_optimizer_step_pre_hook(lambda *_: self.finish_reading())
 
     def finish_reading(self) -> None:
-        """Read a CPU step measurement that waits for its profiler to stop (from the training thread, outside
-        a backward), and count what it shows."""
+        """Read the measured step (from the training thread, outside a backward: a CPU profiler is stopped
+        here), and count what it shows. In a distributed job every rank reads at the same point of its
+        training loop and the ranks' readings are combined (the largest), so every rank decides alike."""
         if self.due_hook is not None:
             self.due_hook.remove()
             self.due_hook = None
@@ -260,12 +266,15 @@ class StepRecorder:
         if due is None:
             return
         meter, step = due
-        if step is None:
-            if meter.profile is not None:
-                meter.profile.stop()
-            return
-        key, shape, refs, baseline = step
-        self._settle(key, shape, refs, meter.read(baseline))
+        reading = meter.read(step[3]) if meter is not None and step is not None else None
+        if meter is not None:
+            meter.discard()
+        if self.agreeing and rank_agreement.world() is not None:
+            readings = [r for r in rank_agreement.every_rank(reading) if r is not None]
+            reading = (max(r[0] for r in readings), max(r[1] for r in readings)) if readings else None
+        if step is not None:
+            key, shape, refs, _ = step
+            self._settle(key, shape, refs, reading)
 
     def _settle(self, key: tuple, shape: StepShape, refs: list, measured: tuple[int, int] | None) -> None:
         """A complete step of `shape`: count what its measurement (if any) shows beyond the plan, then plan it
@@ -412,6 +421,7 @@ class StepRecorder:
             return None
         # In a distributed job rank 0 plans and every rank applies its plan (the ranks run the same graphs).
         agreeing = rank_agreement.world() is not None and all(d.options.rank_agreement for d in dispatchers.values())
+        self.agreeing = agreeing
 
         def decide() -> tuple[StepRecord | None, str | None]:
             return self._decide(shapes, dispatchers)
@@ -550,6 +560,11 @@ class _Meter:
         torch.cuda.synchronize(self.device)
         self.windows.append((name, int(torch.cuda.max_memory_allocated(self.device))))
         torch.cuda.reset_peak_memory_stats(self.device)
+
+    def discard(self) -> None:
+        """Stop measuring (a CPU profiler is stopped; call outside a backward)."""
+        if self.profile is not None:
+            self.profile.stop()
 
     def read(self, baseline: int) -> tuple[int, int] | None:
         """(the step's absolute peak outside its turn, at its turn), outside the backward (a CPU profiler is

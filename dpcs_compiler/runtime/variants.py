@@ -311,7 +311,7 @@ class GraphDispatcher:
     def step_graph(self) -> Any | None:
         """(GraphStep, decisions) of the current variant, for the step planner; None without a memory plan."""
         job = self.current_job()
-        return job.step_graph() if job is not None else None
+        return job.step_graph(held_excess=self.bucket not in self.provisional) if job is not None else None
 
     @property
     def reference(self) -> int | None:

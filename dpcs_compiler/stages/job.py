@@ -277,11 +277,14 @@ class GraphJob:
         budget = self.budget_bytes if self.budget_bytes is not None else self.plan.budget_bytes
         return planning_target(budget) if budget is not None else 0
 
-    def step_graph(self) -> tuple[GraphStep, tuple[str, ...]] | None:
-        """This training graph as the step planner sees it, with its plan's decisions; None without a plan."""
+    def step_graph(self, *, held_excess: bool = True) -> tuple[GraphStep, tuple[str, ...]] | None:
+        """This training graph as the step planner sees it, with its plan's decisions; None without a plan.
+        `held_excess`: with what its compiled graphs held beyond the model (False: what the planner assumed
+        before compiling; what a plan unlike the next one held, such as a first plan that held least, would
+        mislead the step planner)."""
         if self.problem is None or self.sharing is None or self.budget_bytes is None or self.record.mode != "training":
             return None
-        excess = self.held_excess or self.schedule_excess
+        excess = (self.held_excess if held_excess else None) or self.schedule_excess
         problem = self.problem.with_schedule_excess(max(0, excess["forward"]), max(0, excess["backward"]))
         graph = GraphStep(
             name=self.record.graph,

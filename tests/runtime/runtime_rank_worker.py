@@ -22,6 +22,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from rank_process import leave, report_crashes  # noqa: E402
 from runtime_scenarios import SWITCHES, WIDTH, Blocks, apply_switch, global_batch  # noqa: E402
 from dpcs_compiler import PrecisionPolicy, Runtime  # noqa: E402
 
@@ -74,9 +75,7 @@ def ddp(rank: int, world: int) -> dict:
 
 
 def main() -> None:
-    import faulthandler
-
-    faulthandler.dump_traceback_later(200, exit=True)  # a hung rank says where before the test gives up on it
+    report_crashes()
     rank, world, store, scenario, result = sys.argv[1:6]
     rank, world = int(rank), int(world)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
@@ -85,7 +84,7 @@ def main() -> None:
         warnings.simplefilter("ignore")
         out = overflow(rank) if scenario == "overflow" else ddp(rank, world)
     torch.save(out, result)
-    dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from rank_process import leave, report_crashes  # noqa: E402
 from step_scenarios import LayerNormStack, global_batch  # noqa: E402
 
 from dpcs_compiler import compile_records  # noqa: E402
@@ -97,9 +98,7 @@ def fsdp(rank: int, world: int, budget: int) -> dict:
 
 
 def main() -> None:
-    import faulthandler
-
-    faulthandler.dump_traceback_later(200, exit=True)  # a hung rank says where before the test gives up on it
+    report_crashes()
     rank, world, store, scenario, budget, result = sys.argv[1:7]
     rank, world = int(rank), int(world)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
@@ -108,7 +107,7 @@ def main() -> None:
         warnings.simplefilter("ignore")
         out = {"ddp": ddp, "fsdp": fsdp}[scenario](rank, world, int(budget))
     torch.save(out, result)
-    dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

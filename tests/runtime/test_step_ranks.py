@@ -57,8 +57,11 @@ def test_fsdp2_blocks_count_their_gathered_parameters_and_hold_the_step_budget(t
     zero, one = run_ranks(tmp_path, "fsdp", FSDP_BUDGET)
     for rank in (zero, one):
         print(f"measured {rank['measured_peak']} B, step records {rank['steps']}")
-        (record,) = rank["steps"]
-        assert record["feasible"] and record["replanned"] and len(record["calls"]) == 6
+        # Planned once the step is known; planned again if a measured step held more than the plan (the ranks'
+        # largest measurement, so both plan alike).
+        assert 1 <= len(rank["steps"]) <= 2
+        record = rank["steps"][-1]
+        assert record["feasible"] and rank["steps"][0]["replanned"] and len(record["calls"]) == 6
         assert rank["measured_peak"] <= FSDP_BUDGET
         # FSDP2's collectives in flight beside the running block depend on the ranks' timing: over 20 runs the
         # same plan (34.7 MB predicted) measured 31.5 to 37.8 MB, in steps of one block's gather (2.1 MB).
