@@ -242,8 +242,9 @@ def prepare(strategy: Strategy, base: LossModule, inputs: Sequence[torch.Tensor]
             step()
             _sync(device)
             result["first_step_s"] = time.perf_counter() - start
-            # dpcs learns a step of several graphs on its first run and switches to its step plan at the next.
-            for _ in range(max(warmup - 1, 2 if strategy.kind == "dpcs" else 0)):
+            # dpcs learns a step on its first run and switches to its step plan at the next; the step after that
+            # is measured, and if it held more than the plan, planned again and measured again.
+            for _ in range(max(warmup - 1, 5 if strategy.kind == "dpcs" else 0)):
                 step()
             graphs = _unique_graphs() - graphs_before
             result["graphs"] = graphs

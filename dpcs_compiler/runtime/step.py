@@ -15,7 +15,8 @@ variant compiled for it, between steps and without Dynamo, as runtime variants d
 under on_infeasible="best").
 
 Watching stops after `STABLE_STEPS` steps of shapes already planned for; a newly compiled graph, a new size
-bucket, or a runtime decision that changes a graph's variant, starts it again (the step it starts in can be
+bucket, a runtime decision that changes a graph's variant, or graphs called in an order not planned for
+(`glance`: a list append per call while not watching) starts it again (the step it starts in can be
 partly seen: planned together with the full ones, it never loosens their contexts). Shapes seen since the
 process started are all planned for, so steps that alternate between branches hold the budget on each.
 """
@@ -97,6 +98,7 @@ class StepRecorder:
                 meter.discard()  # a measurement under way or waiting is dropped (no collective here)
         self.participants: weakref.WeakSet[GraphDispatcher] = weakref.WeakSet()
         self.calls: list[_Call] = []
+        self.glanced: list[str] = []  # graph names called since watching stopped (`glance`)
         self.pending = 0
         self.partial = False
         # (graph names, size buckets) of the calls -> the step's shape and its graphs
@@ -110,7 +112,6 @@ class StepRecorder:
         self.predicted: tuple[int, int] | None = None  # (peak outside the step's turn, at its turn), planned
         self.last_measured: tuple[int, int] | None = None  # and the latest measured
         self.measuring = False  # this step is measured (every rank alike; `meter` None where it cannot be)
-        self.agreeing = False  # the ranks combine their measurements (a distributed job planned by rank 0)
         self.due: tuple[_Meter | None, tuple | None] | None = None  # a measured step waiting to be read
         self.due_hook: Any = None  # the optimizer step pre-hook that reads it
         self.outside_measured: dict[tuple, int] = {}
@@ -135,6 +136,21 @@ class StepRecorder:
         for d in self.participants:
             d._watch = False
         self._reset()
+        self.glanced = []
+
+    def glance(self, dispatcher: GraphDispatcher) -> None:
+        """An unwatched call of a participant (training, between plans): the order of calls since the last call
+        of the step's first graph is compared with the orders planned for when that graph is called again, and
+        an order not seen (graphs compiled before, run in another order) starts the watch at this step's start."""
+        first = self.latest_key[0][0] if self.latest_key[0] else None
+        if dispatcher.name == first and self.glanced:
+            order, self.glanced = tuple(self.glanced), []
+            if order not in {key[0] for key in self.shapes}:
+                log.info("dpcs: a step of an order not planned for (%d calls); watching it", len(order))
+                self.arm()
+                return
+        if len(self.glanced) < MAX_PENDING_CALLS:
+            self.glanced.append(dispatcher.name)
 
     def _reset(self) -> None:
         self.calls, self.pending = [], 0
@@ -143,7 +159,8 @@ class StepRecorder:
         """Run one watched call, noting it when it starts an autograd graph."""
         if self.due is not None and self.pending == 0:
             self.finish_reading()  # the last step's measurement (CPU), now that it is over
-            if not dispatcher._watch:  # it was the last step to watch
+            if not dispatcher._watch:  # it was the last step to watch: this one is only noted
+                self.glance(dispatcher)
                 return dispatcher._fn(*args)
         if not torch.is_grad_enabled():
             return dispatcher._fn(*args)
@@ -269,7 +286,7 @@ class StepRecorder:
         reading = meter.read(step[3]) if meter is not None and step is not None else None
         if meter is not None:
             meter.discard()
-        if self.agreeing and rank_agreement.world() is not None:
+        if self._ranks_agree():
             readings = [r for r in rank_agreement.every_rank(reading) if r is not None]
             reading = (max(r[0] for r in readings), max(r[1] for r in readings)) if readings else None
         if step is not None:
@@ -284,23 +301,33 @@ class StepRecorder:
             outside_bytes=shape.outside_bytes + self.outside_measured.get(key, 0),
             turn_bytes=shape.turn_bytes + self.turn_measured.get(key, 0),
         )
+        corrected = False
         if measured is not None and self.predicted is not None:
             self.last_measured = measured
             self._correct(key, shape, measured, refs)
-            if self.to_plan:
-                return
+            corrected = self.to_plan
         known = self.shapes[key][0] if key in self.shapes else None
-        if known is not None:
-            shape = _covering(known, shape)
-        if shape == known:
+        covered = _covering(known, shape) if known is not None else shape
+        new = covered != known and not corrected
+        if self._ranks_agree():
+            # Whether a step needs planning is decided by every rank alike (planning takes collectives): a
+            # figure read from storages (which inputs an earlier call holds) can differ between ranks.
+            new = any(rank_agreement.every_rank(new))
+        if corrected:
+            return
+        if not new:
             self.quiet += 1
             if self.quiet >= STABLE_STEPS:
                 log.info("dpcs: step order stable; step watching stops")
                 self.disarm()
             return
-        self.shapes[key] = (shape, refs)
+        self.shapes[key] = (covered, refs)
         self.quiet = 0
         self.to_plan = True
+
+    def _ranks_agree(self) -> bool:
+        """In a distributed job whose graphs agree on plans, every rank takes the step recorder's decisions."""
+        return rank_agreement.world() is not None and all(d.options.rank_agreement for d in self.participants)
 
     def _correct(self, key: tuple, shape: StepShape, measured: tuple[int, int], refs: list) -> None:
         """Count what a measured planned step held beyond its plan, and plan it again (at most twice a shape).
@@ -421,7 +448,6 @@ class StepRecorder:
             return None
         # In a distributed job rank 0 plans and every rank applies its plan (the ranks run the same graphs).
         agreeing = rank_agreement.world() is not None and all(d.options.rank_agreement for d in dispatchers.values())
-        self.agreeing = agreeing
 
         def decide() -> tuple[StepRecord | None, str | None]:
             return self._decide(shapes, dispatchers)

@@ -291,6 +291,12 @@ class GraphDispatcher:
             from dpcs_compiler.runtime.step import STEPS
 
             return STEPS.call(self, args)
+        if self.participates and torch.is_grad_enabled():
+            from dpcs_compiler.runtime.step import STEPS
+
+            STEPS.glance(self)
+            if self._watch:  # an order not planned for: this step is watched from its start
+                return STEPS.call(self, args)
         return self._fn(*args)
 
     def set_step_context(self, context: StepContext | None) -> None:

@@ -97,3 +97,22 @@ def test_a_measured_excess_at_the_steps_turn_is_counted_there_only():
     counted = STEPS.shapes[key][0]
     assert (counted.outside_bytes, counted.turn_bytes) == (2_000_000, 5_000_000)
     STEPS.reset()
+
+
+def test_a_step_in_an_order_not_planned_for_is_watched_again():
+    """Once watching stopped, each call only notes its graph: when the step's first graph comes again after an
+    order of calls no plan was made for, the recorder watches that step and plans it."""
+    model = BranchingNet(d=32, blocks=1)
+    compiled = dpcs_compile(model, memory_budget=10**9)
+    x = torch.randn(64, 32)
+    train(model, compiled, x, 5)
+    assert not any(d._watch for d in STEPS.participants), "the order was stable: watching stopped"
+    ((key, known),) = STEPS.shapes.items()
+    plans = STEPS.plans
+    STEPS.shapes = {(key[0][::-1], key[1]): known}  # as if only another order had been planned for
+    train(model, compiled, x, 1)  # its first call finds the last step's order unplanned: this one is watched
+    assert key in STEPS.shapes and STEPS.to_plan
+    train(model, compiled, x, 1)
+    assert STEPS.plans == plans + 1
+    train(model, compiled, x, 4)
+    assert not any(d._watch for d in STEPS.participants) and STEPS.plans == plans + 1  # planned once, then quiet
