@@ -33,7 +33,7 @@ import numpy as np
 from dpcs_compiler.cost.memory_model import OFFLOAD, RECOMPUTE, SAVE, MemoryProblem, plan_memory
 
 LEVEL_GRID = 8  # the shared level is tried at 0, 1/8, ..., 1
-TARGET_PROBES = 6  # bisection steps on the target for the smallest step peak, when no plan fits
+TARGET_PROBES = 8  # bisection steps on the target for the smallest step peak, when no plan fits
 LOWEST_GRID = 4  # and the coarser grid of levels tried at each
 LEVEL_PROBES = 6  # then bisected between the highest feasible grid level and the next (1/512 of each range)
 
@@ -359,9 +359,12 @@ def plan_step(
     found = search.at(target)
     if found is not None:
         return dataclasses.replace(found, solves=search.solves)
-    # No plan fits: the smallest step peak reachable, by bisection on the target (the step's own plans reach
-    # `peak`), so the error names it and on_infeasible="best" compiles that plan.
-    lowest, found_at, lo, hi = None, 0, target, peak.bytes
+    # No plan fits: the smallest step peak reachable, by bisection on the target between the budget and the
+    # step peak of plans that save everything (a bound that does not depend on the plans compiled first, so
+    # the same step finds the same plan at every budget below it), so the error names it and
+    # on_infeasible="best" compiles that plan.
+    saved = {k: GraphLevels.of(g.problem, g.problem.all_saved()) for k, g in graphs.items()}
+    lowest, found_at, lo, hi = None, 0, target, step_peak(shapes, graphs, saved).bytes
     for _ in range(TARGET_PROBES):
         mid = (lo + hi) // 2
         if mid <= lo:
