@@ -21,9 +21,12 @@ compile different graphs (pipeline stages) pass the option rank_agreement=False.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
+import pickle
 import re
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -47,20 +50,16 @@ def world() -> tuple[int, int] | None:
 
 def from_rank_zero(compute: Callable[[], T], what: str) -> T:
     """Rank 0 runs `compute`; every rank returns its result, or raises if it failed on rank 0."""
-    import torch.distributed as dist
-
     rank, _ = world()
-    payload: list[Any] = [None]
+    payload: Any = None
     failure: BaseException | None = None
     if rank == 0:
         try:
-            payload = [("ok", compute())]
+            payload = ("ok", compute())
         except Exception as error:  # noqa: BLE001 - broadcast to the ranks waiting for it, then raised here
             failure = error
-            payload = [("error", f"{type(error).__name__}: {error}")]
-    with _disable_current_modes():  # object collectives pickle into real tensors, also under Dynamo's fake mode
-        dist.broadcast_object_list(payload, src=0)
-    status, value = payload[0]
+            payload = ("error", f"{type(error).__name__}: {error}")
+    status, value = _broadcast_object(payload)
     if status == "error":
         if failure is not None:
             raise failure
@@ -73,15 +72,68 @@ def smallest(value: int) -> int:
     return min(every_rank(value))
 
 
+# dpcs's object collectives are its own, not torch's `*_object` ones, for one reason. A gloo worker thread
+# drops a finished collective's tensors while it holds its process group's queue lock; if Python dropped a
+# tensor first, its Python object is freed there, which takes the GIL; and a collective issued meanwhile by a
+# thread that holds the GIL waits for that lock: neither moves. Suspected from a 2-rank FSDP2 run, 1 in 36:
+# one rank stuck inside `group.broadcast` itself for 120 s, beside two frameless Python threads (gloo's
+# workers: they had taken the GIL before). torch's object collectives drop their tensors as soon as they
+# return, right before the next collective; these keep them alive for the next few collectives
+# (`_KEPT_TENSORS`), and let go of the GIL for a moment before each.
+_KEPT_TENSORS: collections.deque[Any] = collections.deque(maxlen=32)
+GLOO_PAUSE_S = 0.001
+
+
+def _kept(tensor: Any) -> Any:
+    _KEPT_TENSORS.append(tensor)
+    return tensor
+
+
+def _collective(run: Callable[[], Any]) -> None:
+    time.sleep(GLOO_PAUSE_S)
+    run()
+
+
+def _to_bytes(value: Any) -> Any:
+    import torch
+
+    data = pickle.dumps(value)
+    return _kept(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
+
+def _broadcast_object(value: Any) -> Any:
+    """Rank 0's `value` on every rank (a broadcast of its length, then of its pickled bytes)."""
+    import torch
+    import torch.distributed as dist
+
+    rank, _ = world()
+    with _disable_current_modes():  # real tensors, also under Dynamo's fake mode
+        data = _to_bytes(value) if rank == 0 else None
+        length = _kept(torch.tensor([data.numel() if data is not None else 0], dtype=torch.int64))
+        _collective(lambda: dist.broadcast(length, src=0))
+        if data is None:
+            data = _kept(torch.empty(int(length.item()), dtype=torch.uint8))
+        _collective(lambda: dist.broadcast(data, src=0))
+        return pickle.loads(data.numpy().tobytes())
+
+
 def every_rank(value: T) -> list[T]:
-    """Every rank's `value`, in rank order (one all_gather of objects)."""
+    """Every rank's `value`, in rank order (an all_gather of lengths, then of pickled bytes)."""
+    import torch
     import torch.distributed as dist
 
     _, size = world()
-    gathered: list[Any] = [None] * size
     with _disable_current_modes():
-        dist.all_gather_object(gathered, value)
-    return gathered
+        data = _to_bytes(value)
+        length = _kept(torch.tensor([data.numel()], dtype=torch.int64))
+        lengths = [_kept(torch.zeros(1, dtype=torch.int64)) for _ in range(size)]
+        _collective(lambda: dist.all_gather(lengths, length))
+        longest = max(int(n.item()) for n in lengths)
+        padded = _kept(torch.zeros(longest, dtype=torch.uint8))
+        padded[: data.numel()] = data
+        gathered = [_kept(torch.empty(longest, dtype=torch.uint8)) for _ in range(size)]
+        _collective(lambda: dist.all_gather(gathered, padded))
+        return [pickle.loads(g[: int(n.item())].numpy().tobytes()) for g, n in zip(gathered, lengths)]
 
 
 def _digest(value: Any) -> str:

@@ -94,6 +94,10 @@ class PhaseLevels:
         return self.after_forward - self.resident
 
 
+# Profiles rank 0 resolved for every rank, by (profile option, device, world): resolved once per process.
+_RANK_ZERO_PROFILES: dict[tuple[str, str, tuple[int, int] | None], ResolvedProfile] = {}
+
+
 @dataclasses.dataclass
 class GraphJob:
     """Everything one graph's compilation shares: options, plan, analyses, instruments, record, dumps."""
@@ -159,17 +163,22 @@ class GraphJob:
 
     def hardware_profile(self, device: torch.device) -> ResolvedProfile:
         """The profile this graph is planned with: the option's (or DPCS_HARDWARE_PROFILE's), resolved by rank 0
-        of a distributed job and used by every rank. Resolved once per graph: a re-plan takes no collective."""
+        of a distributed job and used by every rank (once per process). A re-plan takes no collective."""
         if self.resolved_profile is None:
             spec = self.options.hardware_profile
             if not self.agreeing_ranks:
                 self.resolved_profile = resolve_profile(spec, device)
             else:
-                resolved = rank_agreement.from_rank_zero(lambda: resolve_profile(spec, device), "hardware profile")
-                rank, _ = rank_agreement.world()
-                self.resolved_profile = (
-                    resolved if rank == 0 else ResolvedProfile(resolved.profile, f"rank 0's, {resolved.source}")
-                )
+                # Once per process and profile: every compile (runtime and step variants too) would otherwise
+                # take a collective, and each collective is one more chance for a gloo stall (rank_agreement).
+                key = (repr(spec), str(device), rank_agreement.world())
+                if key not in _RANK_ZERO_PROFILES:
+                    resolved = rank_agreement.from_rank_zero(lambda: resolve_profile(spec, device), "hardware profile")
+                    rank, _ = rank_agreement.world()
+                    _RANK_ZERO_PROFILES[key] = (
+                        resolved if rank == 0 else ResolvedProfile(resolved.profile, f"rank 0's, {resolved.source}")
+                    )
+                self.resolved_profile = _RANK_ZERO_PROFILES[key]
         return self.resolved_profile
 
     def check_ranks_agree(self) -> None:
