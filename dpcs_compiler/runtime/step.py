@@ -3,16 +3,23 @@
 A graph compiled with a memory_budget (and budget_scope "step", the default) takes part: its dispatcher hands
 its calls to the `StepRecorder` while the recorder watches. For each forward call that builds an autograd
 graph, the recorder notes the graph, its parameters (by storage, counted once for the step) and the
-gradients already in `.grad` (earlier micro-batches), and hooks the call's backward node. When every hooked
-backward has run, one step is complete: its shape is the graphs in forward call order.
+gradients already in `.grad` (earlier micro-batches), and puts a pre-hook on the call's backward node that
+queues an end-of-backward callback. When every such backward has ended, one step is complete: its shape is
+the graphs in forward call order.
 
-The first step is run with each graph's own plan (planned alone, as compiled). At the first forward call after
-a step of a new shape, the recorder plans the step (`plan_step`) with each graph's memory problem, kept by
-its dispatcher: if the graphs' own plans fit the step, nothing changes; otherwise each graph gets a context
+The first step runs first plans (`GraphDispatcher`): a graph compiled in the middle of a step counts what the
+graphs before it hold, and one whose compile ended at a graph break holds least between its phases. At the
+first forward call after a step of a new shape, the recorder plans the step (`plan_step`) with each graph's
+memory problem, kept by its dispatcher: if the graphs' own settled plans fit the step, nothing changes;
+otherwise each graph gets a context
 (what the others hold around it, and a cap on what it holds itself) and switches, at its next call, to the
 variant compiled for it, between steps and without Dynamo, as runtime variants do. A step no plan fits raises
 `BudgetInfeasibleError` naming the smallest step peak reached and the graph that holds the most (or warns,
 under on_infeasible="best").
+
+The step after a plan takes effect is measured (`_Meter`): what it holds beyond the plan at its turn (eager
+code between the last forward and the first backward, such as a loss) or elsewhere is counted, and the step
+planned again if that raises its predicted peak. In a distributed job every rank takes these decisions alike.
 
 Watching stops after `STABLE_STEPS` steps of shapes already planned for; a newly compiled graph, a new size
 bucket, a runtime decision that changes a graph's variant, or graphs called in an order not planned for
