@@ -117,7 +117,6 @@ class StepRecorder:
         self.verify_in: int | None = None
         self.meter: _Meter | None = None
         self.predicted: tuple[int, int] | None = None  # (peak outside the step's turn, at its turn), planned
-        self.last_measured: tuple[int, int] | None = None  # and the latest measured
         self.measuring = False  # this step is measured (every rank alike; `meter` None where it cannot be)
         self.due: tuple[_Meter | None, tuple | None] | None = None  # a measured step waiting to be read
         self.due_hook: Any = None  # the optimizer step pre-hook that reads it
@@ -310,7 +309,6 @@ class StepRecorder:
         )
         corrected = False
         if measured is not None and self.predicted is not None:
-            self.last_measured = measured
             self._correct(key, shape, measured, refs)
             corrected = self.to_plan
         known = self.shapes[key][0] if key in self.shapes else None
