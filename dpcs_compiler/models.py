@@ -191,6 +191,24 @@ def workload(name: str, batch: int, *, layers: int = 2, seed: int = 0) -> Worklo
     raise ValueError(f"unknown workload {name!r}; valid choices: 'mlp', 'gpt', 'breaks'")
 
 
+def markov_text(vocab: int, batch: int, seq: int, steps: int, *, successors: int = 4, seed: int = 0
+                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`steps` batches of (tokens, next tokens) from a fixed random Markov chain in which each token is followed
+    by one of `successors` tokens, uniformly: a language a model can learn, with a loss floor of
+    log(successors) nats, for comparing optimizers over many steps (fresh batches, fixed by `seed`)."""
+    generator = torch.Generator().manual_seed(seed)
+    follows = torch.randint(0, vocab, (vocab, successors), generator=generator)
+    batches = []
+    for _ in range(steps):
+        tokens = torch.empty(batch, seq + 1, dtype=torch.long)
+        tokens[:, 0] = torch.randint(0, vocab, (batch,), generator=generator)
+        choices = torch.randint(0, successors, (batch, seq), generator=generator)
+        for t in range(seq):
+            tokens[:, t + 1] = follows[tokens[:, t], choices[:, t]]
+        batches.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
+    return batches
+
+
 # --- Benchmark models (`dpcs bench`) --------------------------------------------------------------------
 #
 # Each has a list of blocks (`checkpoint_blocks`) so the benchmark can apply eager full activation

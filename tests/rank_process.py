@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import faulthandler
 import os
 import signal
@@ -12,6 +13,12 @@ import torch.distributed as dist
 # faulthandler's stream: a duplicate of stderr made at start. dpcs's `quiet_profiler_logs` points descriptor 2
 # at a temporary file around each profiler start and stop; a crash dump written there would die with the rank.
 _fault_log = None
+
+
+def join(store: str, rank: int, world: int) -> None:
+    """Join the gloo group of `world` ranks through the file `store` (a collective waits 120 s at most)."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
 
 
 def report_crashes(hang_seconds: int = 200) -> None:

@@ -10,7 +10,6 @@ got, to RESULT_JSON. --no-broadcast makes every rank resolve its own profile (ra
 
 from __future__ import annotations
 
-import datetime
 import json
 import sys
 import warnings
@@ -22,7 +21,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dpcs_testing import SQUARED_LINEARS_PRECISION, SquaredLinears  # noqa: E402
-from rank_process import leave, report_crashes  # noqa: E402
+from rank_process import join, leave, report_crashes  # noqa: E402
 from dpcs_compiler import compile_records, rank_agreement  # noqa: E402
 from dpcs_compiler.cost import hardware  # noqa: E402
 
@@ -38,8 +37,7 @@ def main() -> None:
     path.write_text(json.dumps(own))
     if "--no-broadcast" in sys.argv:
         rank_agreement.from_rank_zero = lambda compute, what: compute()
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    join(store, rank, world)
     torch.manual_seed(0)
     model, x = SquaredLinears(), torch.randn(1024, 256) * 0.3
     options = {"compiler": "eager", "strict": True, "hardware_profile": "measure", "memory_budget": budget}

@@ -4,6 +4,7 @@
     ...; optimizer.step(); rt.step(loss=loss, optimizer=optimizer, scaler=scaler)
 """
 
+from dpcs_compiler.runtime.compressed_optimizer import CompressedOptimizer, decompress_state_dict
 from dpcs_compiler.runtime.curvature import CurvatureProbe
 from dpcs_compiler.runtime.decisions import PRECISION_MODES, Decisions
 from dpcs_compiler.runtime.policies import (
@@ -19,6 +20,7 @@ from dpcs_compiler.runtime.telemetry import Telemetry, read_telemetry
 
 __all__ = [
     "PRECISION_MODES",
+    "CompressedOptimizer",
     "CurvatureProbe",
     "Decisions",
     "MemoryPolicy",
@@ -30,6 +32,7 @@ __all__ = [
     "RuntimeConfig",
     "Signals",
     "Telemetry",
+    "decompress_state_dict",
     "default_regions",
     "read_telemetry",
 ]

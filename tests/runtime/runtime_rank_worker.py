@@ -11,7 +11,6 @@ ddp: a DDP-wrapped Blocks compiled with dpcs under a Runtime whose decisions are
 
 from __future__ import annotations
 
-import datetime
 import sys
 import warnings
 from pathlib import Path
@@ -22,7 +21,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rank_process import leave, report_crashes  # noqa: E402
+from rank_process import join, leave, report_crashes  # noqa: E402
 from runtime_scenarios import SWITCHES, WIDTH, Blocks, apply_switch, global_batch  # noqa: E402
 from dpcs_compiler import PrecisionPolicy, Runtime  # noqa: E402
 
@@ -78,8 +77,7 @@ def main() -> None:
     report_crashes()
     rank, world, store, scenario, result = sys.argv[1:6]
     rank, world = int(rank), int(world)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    join(store, rank, world)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out = overflow(rank) if scenario == "overflow" else ddp(rank, world)

@@ -13,7 +13,6 @@ fsdp: the same stack with `fully_shard` on each block, then on the root (FSDP2; 
 
 from __future__ import annotations
 
-import datetime
 import sys
 import warnings
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rank_process import leave, report_crashes  # noqa: E402
+from rank_process import join, leave, report_crashes  # noqa: E402
 from step_scenarios import LayerNormStack, global_batch  # noqa: E402
 
 from dpcs_compiler import compile_records  # noqa: E402
@@ -101,8 +100,7 @@ def main() -> None:
     report_crashes()
     rank, world, store, scenario, budget, result = sys.argv[1:7]
     rank, world = int(rank), int(world)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    join(store, rank, world)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out = {"ddp": ddp, "fsdp": fsdp}[scenario](rank, world, int(budget))

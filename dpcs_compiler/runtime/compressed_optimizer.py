@@ -1,0 +1,367 @@
+"""An optimizer whose state is stored compressed (and optionally on the host) between steps.
+
+    opt = CompressedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), states={"exp_avg": "int8"})
+
+Inside `step()` the parameters are taken in chunks of about `chunk_bytes` of full-precision state: a chunk's
+state is decoded, the wrapped optimizer steps those parameters only, and the state is encoded again before
+the next chunk is decoded, so at most one chunk's state is in full precision at a time. With every state
+in `fp32` and `on_host=False` this is the wrapped optimizer, bit for bit (it steps the same parameters with
+the same kernels, a chunk at a time).
+
+State dict format (`format_version` 1): the wrapped optimizer's own, where each stored state is a dict
+`{"format": "int8" | "fp16" | "bf16" | "fp32", "block_size": int, "signed": bool, "codes": Tensor,
+"scales": Tensor}` (no `"scales"` for `bf16`/`fp32`): `codes` has the parameter's shape and the format's
+dtype (uint8, fp16, bf16, fp32), `scales` is fp32 of shape (rows, blocks per row), see `state_codec`. With
+`warmup_steps > 0` each parameter's entry has `"dpcs_steps"`, the steps it has taken under the wrapper.
+Under FSDP2 `codes` and `scales` are DTensors placed like the parameter, so `torch.distributed.checkpoint`
+saves them sharded. `decompress_state_dict` turns such a dict into one the plain optimizer loads.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from dpcs_compiler.runtime.state_codec import FORMATS, Encoded, blocks_shape, check_format, decode, encode
+
+FORMAT_VERSION = 1
+
+# The state tensors each supported optimizer keeps per parameter, and whether they take both signs.
+# Exact types: a subclass may keep other state under the same names.
+STATE_SIGNS: dict[type[torch.optim.Optimizer], dict[str, bool]] = {
+    torch.optim.AdamW: {"exp_avg": True, "exp_avg_sq": False, "max_exp_avg_sq": False},
+    torch.optim.Adam: {"exp_avg": True, "exp_avg_sq": False, "max_exp_avg_sq": False},
+    torch.optim.SGD: {"momentum_buffer": True},
+    torch.optim.RMSprop: {"square_avg": False, "momentum_buffer": True, "grad_avg": True},
+    torch.optim.Adagrad: {"sum": False},
+}
+_STORED_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.uint8}
+STEPS_KEY = "dpcs_steps"
+
+
+def supported_optimizers() -> list[str]:
+    return [cls.__name__ for cls in STATE_SIGNS]
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    return type(tensor).__name__ == "DTensor"
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if _is_dtensor(tensor) else tensor
+
+
+def _like_param(local: torch.Tensor, param: torch.Tensor, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """`local` as a DTensor placed like `param` (of global `shape`, the parameter's by default)."""
+    if not _is_dtensor(param):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    shape = tuple(param.shape) if shape is None else shape
+    stride = tuple(int(torch.Size(shape)[i + 1:].numel()) for i in range(len(shape)))
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=shape, stride=stride)
+
+
+def _blocks_follow_placement(param: torch.Tensor) -> bool:
+    """Whether the blocks of the local shards are those of the whole tensor: replicated, or split along the
+    first dimension of a tensor of two or more dimensions (blocks never cross a row)."""
+    if not _is_dtensor(param):
+        return True
+    from torch.distributed.tensor import Replicate, Shard
+
+    return all(isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0 and param.dim() >= 2)
+               for p in param.placements)
+
+
+class CompressedOptimizer(torch.optim.Optimizer):
+    """Wraps `optimizer` (one of `supported_optimizers()`) so its state is stored compressed between steps.
+
+    states: a format for every state tensor of the optimizer (`"int8"`), or a mapping from state name to
+        format (`{"exp_avg": "int8", "exp_avg_sq": "fp32"}`); names not in it stay as the optimizer keeps them.
+    block_size: columns per scaled block (`int8`, `fp16`).
+    warmup_steps: plain steps each parameter takes before its state is compressed.
+    min_elements: state tensors with fewer elements stay as they are (biases, norms).
+    on_host: keep the chosen states in host memory (pinned on CUDA) between steps.
+    chunk_bytes: full-precision state bytes decoded at a time inside `step()`.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, states: str | Mapping[str, str] = "int8",
+                 block_size: int = 256, warmup_steps: int = 0, min_elements: int = 4096,
+                 on_host: bool = False, chunk_bytes: int = 64 << 20) -> None:
+        signs = STATE_SIGNS.get(type(optimizer))
+        if signs is None:
+            raise TypeError(f"CompressedOptimizer wraps {', '.join(supported_optimizers())}; "
+                            f"got {type(optimizer).__name__}")
+        if isinstance(states, str):
+            policy = {name: check_format(states, "states") for name in signs}
+        elif isinstance(states, Mapping):
+            unknown = sorted(set(states) - set(signs))
+            if unknown:
+                raise ValueError(f"states names {unknown} are not state of {type(optimizer).__name__}; "
+                                 f"its states: {', '.join(signs)}")
+            policy = {name: check_format(fmt, f"states[{name!r}]") for name, fmt in states.items()}
+        else:
+            raise TypeError(f"states must be a format ({', '.join(FORMATS)}) or a mapping of state name to "
+                            f"format; got {type(states).__name__}")
+        for name, value, least in (("block_size", block_size, 1), ("warmup_steps", warmup_steps, 0),
+                                   ("min_elements", min_elements, 0), ("chunk_bytes", chunk_bytes, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an int >= {least}; got {value!r}")
+        if not isinstance(on_host, bool):
+            raise ValueError(f"on_host must be True or False; got {on_host!r}")
+        self.inner = optimizer
+        self.policy = policy
+        self.signs = signs
+        self.block_size = block_size
+        self.warmup_steps = warmup_steps
+        self.min_elements = min_elements
+        self.on_host = on_host
+        self.chunk_bytes = chunk_bytes
+        self._steps: dict[torch.Tensor, int] = {}
+        self._held: dict[tuple[torch.Tensor, str], Encoded] = {}  # stored buffers, reused step to step
+        self._pending_copies: list[Any] = []
+        # Share the wrapped optimizer's groups and state: schedulers, zero_grad and hooks see one optimizer.
+        super().__setstate__({"defaults": optimizer.defaults, "state": optimizer.state,
+                              "param_groups": optimizer.param_groups})
+
+    def __repr__(self) -> str:
+        return f"CompressedOptimizer({type(self.inner).__name__}, states={self.policy}, on_host={self.on_host})"
+
+    # ---- the step
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        if closure is not None:
+            raise ValueError("CompressedOptimizer.step takes no closure: a closure re-evaluates the loss between "
+                             "the wrapped optimizer's reads of state that is decoded a chunk at a time. Compute the "
+                             "loss and backward before step().")
+        ready = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        for chunk in self._chunks(ready):
+            self._step_chunk(chunk)
+
+    def _chunks(self, params: list[torch.Tensor]) -> Iterable[list[torch.Tensor]]:
+        chunk: list[torch.Tensor] = []
+        size = 0
+        for param in params:
+            nbytes = _local(param).numel() * 4 * len(self.policy)
+            if chunk and size + nbytes > self.chunk_bytes:
+                yield chunk
+                chunk, size = [], 0
+            chunk.append(param)
+            size += nbytes
+        if chunk:
+            yield chunk
+
+    def _step_chunk(self, chunk: list[torch.Tensor]) -> None:
+        chosen = {id(p) for p in chunk}
+        for param in chunk:
+            self._materialize(param)
+        everything = [group["params"] for group in self.param_groups]
+        try:
+            for group, params in zip(self.param_groups, everything):
+                group["params"] = [p for p in params if id(p) in chosen]
+            step = getattr(type(self.inner).step, "__wrapped__", None)  # without the hooks: they ran for us
+            step(self.inner) if step is not None else self.inner.step()
+        finally:
+            for group, params in zip(self.param_groups, everything):
+                group["params"] = params
+        for param in chunk:
+            self._steps[param] = self._steps.get(param, 0) + 1
+            self._store(param)
+
+    # ---- decoding and storing one parameter's state
+
+    def _materialize(self, param: torch.Tensor) -> None:
+        state = self.state.get(param)
+        if not state:
+            return
+        device = _local(param).device
+        for name, value in state.items():
+            if isinstance(value, Encoded):
+                state[name] = _like_param(decode(value, device), param)
+
+    def _compressible(self, param: torch.Tensor, value: Any) -> bool:
+        return (isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() >= 1
+                and value.shape == param.shape and value.numel() >= self.min_elements
+                and _blocks_follow_placement(param))
+
+    def _store(self, param: torch.Tensor) -> None:
+        if self._steps.get(param, 0) < self.warmup_steps:
+            return
+        state = self.state.get(param)
+        if not state:
+            return
+        for name, fmt in self.policy.items():
+            value = state.get(name)
+            if not self._compressible(param, value) or (fmt == "fp32" and not self.on_host):
+                continue
+            local = _local(value)
+            held = self._held.get((param, name))
+            if self.on_host and local.device.type != "cpu":
+                encoded = self._to_host(encode(local, fmt, block_size=self.block_size, signed=self.signs[name]), held)
+            else:  # stored where it is: in the buffers it had, so the state keeps its memory step to step
+                encoded = encode(local, fmt, block_size=self.block_size, signed=self.signs[name], out=held)
+            self._held[(param, name)] = state[name] = encoded
+
+    def _to_host(self, encoded: Encoded, held: Encoded | None) -> Encoded:
+        """`encoded` copied into pinned host buffers (`held`'s when they fit); the copy is waited for before the
+        host reads them (`_wait_for_host`)."""
+        if (held is None or held.format != encoded.format or held.codes.device.type != "cpu"
+                or held.codes.shape != encoded.codes.shape
+                or (None if held.scales is None else held.scales.shape)
+                != (None if encoded.scales is None else encoded.scales.shape)):
+            pin = encoded.codes.is_cuda
+            held = Encoded(encoded.format, torch.empty_like(encoded.codes, device="cpu", pin_memory=pin),
+                           None if encoded.scales is None
+                           else torch.empty_like(encoded.scales, device="cpu", pin_memory=pin),
+                           encoded.block_size, encoded.signed, encoded.dtype)
+        held.codes.copy_(encoded.codes, non_blocking=True)
+        if encoded.scales is not None:
+            assert held.scales is not None
+            held.scales.copy_(encoded.scales, non_blocking=True)
+        held.signed, held.dtype = encoded.signed, encoded.dtype
+        if encoded.codes.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+            self._pending_copies.append(event)
+        return held
+
+    def _wait_for_host(self) -> None:
+        """Copies to the host finish before the host reads what they wrote."""
+        for event in self._pending_copies:
+            event.synchronize()
+        self._pending_copies.clear()
+
+    def end_warmup(self) -> None:
+        """Store every state as the policy says now, warm-up or not (e.g. before taking a state dict template
+        to load a checkpoint written after the warm-up)."""
+        for group in self.param_groups:
+            for param in group["params"]:
+                self._steps[param] = max(self._steps.get(param, 0), self.warmup_steps)
+                self._store(param)
+
+    # ---- what the state takes
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of optimizer state on the parameters' devices and in host buffers."""
+        device = host = 0
+        for param, state in self.state.items():
+            for value in state.values():
+                if isinstance(value, Encoded):
+                    on_host = value.codes.device.type == "cpu" and self.on_host
+                    host += value.nbytes if on_host else 0
+                    device += 0 if on_host else value.nbytes
+                elif isinstance(value, torch.Tensor):
+                    device += _local(value).nbytes
+        return {"device": device, "host": host}
+
+    # ---- state dicts
+
+    def state_dict(self) -> dict[str, Any]:
+        self._wait_for_host()
+        packed = super().state_dict()
+        params = [p for group in self.param_groups for p in group["params"]]
+        packed["state"] = {index: self._export(params[index], entry) for index, entry in packed["state"].items()}
+        return packed
+
+    def _export(self, param: torch.Tensor, entry: Mapping[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, value in entry.items():
+            if isinstance(value, Encoded):
+                stored: dict[str, Any] = {"format": value.format, "block_size": value.block_size,
+                                          "signed": value.signed, "codes": _like_param(value.codes, param)}
+                if value.scales is not None:
+                    rows, blocks = blocks_shape(tuple(param.shape), value.block_size)
+                    stored["scales"] = _like_param(value.scales, param, (rows, blocks))
+                out[name] = stored
+            else:
+                out[name] = value
+        if self.warmup_steps:
+            out[STEPS_KEY] = torch.tensor(self._steps.get(param, 0))
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Loads this wrapper's state dicts (stored states stay as stored) and plain ones of the wrapped
+        optimizer (stored as the policy says after the next step)."""
+        saved_params = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        if len(saved_params) != len(params):
+            raise ValueError(f"the state dict has {len(saved_params)} parameters, this optimizer {len(params)}")
+        param_of = dict(zip(saved_params, params))
+        plain: dict[Any, dict[str, Any]] = {}
+        stored: list[tuple[torch.Tensor, str, Mapping[str, Any]]] = []
+        steps: dict[torch.Tensor, int] = {}
+        for key, entry in state_dict["state"].items():
+            plain[key] = {}
+            for name, value in entry.items():
+                if name == STEPS_KEY:
+                    steps[param_of[key]] = int(value)
+                elif isinstance(value, Mapping) and "format" in value:
+                    stored.append((param_of[key], name, value))
+                else:
+                    plain[key][name] = value
+        self.inner.load_state_dict({**state_dict, "state": plain})
+        self.state, self.param_groups = self.inner.state, self.inner.param_groups  # load_state_dict rebinds them
+        self._held.clear()
+        self._steps = {p: steps.get(p, self.warmup_steps if stored else 0) for p in params}
+        for param, name, value in stored:
+            encoded = _imported(param, name, value, "cpu" if self.on_host else _local(param).device)
+            if self.on_host and _local(param).is_cuda:
+                encoded = self._to_host(encoded, None)  # pinned
+            self._held[(param, name)] = self.state[param][name] = encoded
+
+    def close(self) -> None:
+        """Lets go of the host buffers (and their pinned memory) now, not at garbage collection."""
+        self._wait_for_host()
+        for param in list(self.state):
+            self._materialize(param)
+        self._held.clear()
+
+
+def _imported(param: torch.Tensor, name: str, stored: Mapping[str, Any], device: torch.device | str) -> Encoded:
+    """A stored state from a state dict, checked against the parameter it belongs to, on `device`."""
+    fmt = stored["format"]
+    fmt = fmt.decode() if isinstance(fmt, bytes) else fmt
+    check_format(fmt, f"state {name!r} format")
+    block_size = int(stored["block_size"])
+    codes = _local(stored["codes"]).to(device, copy=True)  # written in place by later steps
+    where = f"state {name!r} of a parameter of shape {tuple(param.shape)}"
+    if codes.shape != _local(param).shape or codes.dtype != _STORED_DTYPES[fmt]:
+        raise ValueError(f"{where}: codes of shape {tuple(codes.shape)} and dtype {codes.dtype}, expected "
+                         f"{tuple(_local(param).shape)} and {_STORED_DTYPES[fmt]} for {fmt}")
+    scales = stored.get("scales")
+    if fmt in ("int8", "fp16"):
+        if scales is None:
+            raise ValueError(f"{where}: format {fmt} needs scales")
+        scales = _local(scales).to(codes.device, copy=True)
+        expected = blocks_shape(tuple(codes.shape), block_size)
+        if tuple(scales.shape) != expected:
+            raise ValueError(f"{where}: scales of shape {tuple(scales.shape)}, expected {expected} for "
+                             f"block_size {block_size}")
+    return Encoded(fmt, codes, scales, block_size, bool(stored["signed"]), param.dtype)
+
+
+def decompress_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """A `CompressedOptimizer` state dict as the wrapped optimizer's own: stored states decoded to full
+    precision (DTensors stay DTensors), the wrapper's step counts dropped."""
+    out = copy.copy(dict(state_dict))
+    state: dict[Any, dict[str, Any]] = {}
+    for key, entry in state_dict["state"].items():
+        state[key] = {}
+        for name, value in entry.items():
+            if name == STEPS_KEY:
+                continue
+            if isinstance(value, Mapping) and "format" in value:
+                codes = value["codes"]
+                fmt = value["format"].decode() if isinstance(value["format"], bytes) else value["format"]
+                scales = value.get("scales")
+                encoded = Encoded(fmt, _local(codes), None if scales is None else _local(scales),
+                                  int(value["block_size"]), bool(value["signed"]))
+                state[key][name] = _like_param(decode(encoded), codes)
+            else:
+                state[key][name] = value
+    out["state"] = state
+    return out
