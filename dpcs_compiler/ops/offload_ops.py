@@ -95,6 +95,14 @@ def offload(x: torch.Tensor) -> torch.Tensor:
         host = _host_like(x, pin=False)
         host.copy_(x)
         return host
+    host, copied = copy_to_host_async(x)
+    _d2h_events[host.data_ptr()] = copied
+    return host
+
+
+def copy_to_host_async(x: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+    """A pinned host copy of CUDA tensor `x`, made on the side stream after the work queued so far, and the
+    event recorded right after the copy; `x` may be freed at once (its memory is not reused before the copy)."""
     side = _side_stream(x.device)
     host = _host_like(x, pin=True)
     side.wait_stream(torch.cuda.current_stream(x.device))
@@ -103,8 +111,7 @@ def offload(x: torch.Tensor) -> torch.Tensor:
         copied = torch.cuda.Event()
         copied.record(side)
     x.record_stream(side)
-    _d2h_events[host.data_ptr()] = copied
-    return host
+    return host, copied
 
 
 @offload.register_fake

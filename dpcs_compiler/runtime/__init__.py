@@ -6,6 +6,7 @@
 
 from dpcs_compiler.runtime.compressed_optimizer import CompressedOptimizer, decompress_state_dict
 from dpcs_compiler.runtime.curvature import CurvatureProbe
+from dpcs_compiler.runtime.param_offload import ParameterOffload
 from dpcs_compiler.runtime.decisions import PRECISION_MODES, Decisions
 from dpcs_compiler.runtime.policies import (
     MemoryPolicy,
@@ -25,6 +26,7 @@ __all__ = [
     "Decisions",
     "MemoryPolicy",
     "MemoryPolicyConfig",
+    "ParameterOffload",
     "Policy",
     "PrecisionPolicy",
     "PrecisionPolicyConfig",

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from dpcs_compiler.runtime.param_offload import ParameterOffload
 from dpcs_compiler.runtime.state_codec import FORMATS, Encoded, blocks_shape, check_format, decode, encode
 
 FORMAT_VERSION = 1
@@ -86,11 +87,14 @@ class CompressedOptimizer(torch.optim.Optimizer):
     min_elements: state tensors with fewer elements stay as they are (biases, norms).
     on_host: keep the chosen states in host memory (pinned on CUDA) between steps.
     chunk_bytes: full-precision state bytes decoded at a time inside `step()`.
+    offload: the `ParameterOffload` whose parameters this optimizer steps on the host, with their host
+        gradients (consumed by the step, as if `zero_grad()` followed) and host optimizer state.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, states: str | Mapping[str, str] = "int8",
                  block_size: int = 256, warmup_steps: int = 0, min_elements: int = 4096,
-                 on_host: bool = False, chunk_bytes: int = 64 << 20) -> None:
+                 on_host: bool = False, chunk_bytes: int = 64 << 20,
+                 offload: ParameterOffload | None = None) -> None:
         signs = STATE_SIGNS.get(type(optimizer))
         if signs is None:
             raise TypeError(f"CompressedOptimizer wraps {', '.join(supported_optimizers())}; "
@@ -112,6 +116,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"{name} must be an int >= {least}; got {value!r}")
         if not isinstance(on_host, bool):
             raise ValueError(f"on_host must be True or False; got {on_host!r}")
+        if offload is not None and not isinstance(offload, ParameterOffload):
+            raise TypeError(f"offload must be a ParameterOffload; got {type(offload).__name__}")
         self.inner = optimizer
         self.policy = policy
         self.signs = signs
@@ -120,6 +126,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.min_elements = min_elements
         self.on_host = on_host
         self.chunk_bytes = chunk_bytes
+        self.offload = offload
         self._steps: dict[torch.Tensor, int] = {}
         self._held: dict[tuple[torch.Tensor, str], Encoded] = {}  # stored buffers, reused step to step
         self._pending_copies: list[Any] = []
@@ -138,9 +145,22 @@ class CompressedOptimizer(torch.optim.Optimizer):
             raise ValueError("CompressedOptimizer.step takes no closure: a closure re-evaluates the loss between "
                              "the wrapped optimizer's reads of state that is decoded a chunk at a time. Compute the "
                              "loss and backward before step().")
-        ready = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if self.offload is not None:
+            self.offload.settle()
+        ready = [p for group in self.param_groups for p in group["params"] if self._live(p).grad is not None]
         for chunk in self._chunks(ready):
             self._step_chunk(chunk)
+        if self.offload is not None:
+            self.offload.zero_grad()  # the host gradients are consumed
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        if self.offload is not None:
+            self.offload.zero_grad()
+
+    def _live(self, param: torch.Tensor) -> torch.Tensor:
+        """Where the parameter lives for the step: its host copy if offloaded, else itself."""
+        return self.offload.host_param(param) if self.offload is not None and self.offload.owns(param) else param
 
     def _chunks(self, params: list[torch.Tensor]) -> Iterable[list[torch.Tensor]]:
         chunk: list[torch.Tensor] = []
@@ -156,18 +176,23 @@ class CompressedOptimizer(torch.optim.Optimizer):
             yield chunk
 
     def _step_chunk(self, chunk: list[torch.Tensor]) -> None:
-        chosen = {id(p) for p in chunk}
-        for param in chunk:
-            self._materialize(param)
+        live = {id(p): self._live(p) for p in chunk}
+        for param in chunk:  # an offloaded parameter's state is keyed by its host copy during the step
+            if live[id(param)] is not param and param in self.state:
+                self.state[live[id(param)]] = self.state.pop(param)
+            self._materialize(live[id(param)])
         everything = [group["params"] for group in self.param_groups]
         try:
             for group, params in zip(self.param_groups, everything):
-                group["params"] = [p for p in params if id(p) in chosen]
+                group["params"] = [live[id(p)] for p in params if id(p) in live]
             step = getattr(type(self.inner).step, "__wrapped__", None)  # without the hooks: they ran for us
             step(self.inner) if step is not None else self.inner.step()
         finally:
             for group, params in zip(self.param_groups, everything):
                 group["params"] = params
+            for param in chunk:
+                if live[id(param)] is not param and live[id(param)] in self.state:
+                    self.state[param] = self.state.pop(live[id(param)])
         for param in chunk:
             self._steps[param] = self._steps.get(param, 0) + 1
             self._store(param)
@@ -185,7 +210,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     def _compressible(self, param: torch.Tensor, value: Any) -> bool:
         return (isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() >= 1
-                and value.shape == param.shape and value.numel() >= self.min_elements
+                and value.shape == param.shape and value.device == _local(self._live(param)).device and value.numel() >= self.min_elements
                 and _blocks_follow_placement(param))
 
     def _store(self, param: torch.Tensor) -> None:
@@ -249,13 +274,14 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """Bytes of optimizer state on the parameters' devices and in host buffers."""
         device = host = 0
         for param, state in self.state.items():
+            offloaded = self._live(param) is not param
             for value in state.values():
-                if isinstance(value, Encoded):
-                    on_host = value.codes.device.type == "cpu" and self.on_host
-                    host += value.nbytes if on_host else 0
-                    device += 0 if on_host else value.nbytes
-                elif isinstance(value, torch.Tensor):
-                    device += _local(value).nbytes
+                on_host = offloaded or (isinstance(value, Encoded) and self.on_host
+                                        and value.codes.device.type == "cpu")
+                nbytes = value.nbytes if isinstance(value, Encoded) else (
+                    _local(value).nbytes if isinstance(value, torch.Tensor) else 0)
+                host += nbytes if on_host else 0
+                device += 0 if on_host else nbytes
         return {"device": device, "host": host}
 
     # ---- state dicts
@@ -308,7 +334,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._held.clear()
         self._steps = {p: steps.get(p, self.warmup_steps if stored else 0) for p in params}
         for param, name, value in stored:
-            encoded = _imported(param, name, value, "cpu" if self.on_host else _local(param).device)
+            encoded = _imported(param, name, value, "cpu" if self.on_host else _local(self._live(param)).device)
             if self.on_host and _local(param).is_cuda:
                 encoded = self._to_host(encoded, None)  # pinned
             self._held[(param, name)] = self.state[param][name] = encoded

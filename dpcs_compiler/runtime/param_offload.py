@@ -1,0 +1,278 @@
+"""Parameters (and their gradients) of chosen modules kept in host memory between uses.
+
+    offload = ParameterOffload([model.blocks[0], model.blocks[1]])
+    optimizer = CompressedOptimizer(torch.optim.AdamW(model.parameters()), states="fp32", offload=offload)
+
+Each chosen module's parameters have their master copy in host memory (pinned on CUDA). The parameter
+itself stays a device tensor of its shape, so compiled graphs and their guards see what they were traced
+with, but its storage is empty (`resize_(0)`) except while the module runs:
+
+- forward: a pre-hook brings the module's parameters in (and `prefetch` modules after it, in the order of
+  the last forward) and a post-hook lets them go; the post-hook also hooks the module's outputs, so the
+  parameters come back before the module's backward (with the module before it prefetched);
+- backward: as each parameter's gradient is final (a post-accumulate-grad hook) the gradient is copied out to
+  the host (added to what is there, for accumulation), the device gradient dropped and the parameter let go;
+  whatever is still in at the end of the backward (frozen parameters) is let go then;
+- the optimizer step for these parameters runs on the host copies with the host gradients (the
+  `CompressedOptimizer` given `offload=`), so their optimizer state lives on the host as well.
+
+On CUDA every copy runs on dpcs's side stream, with events the compute stream waits on right before use. On
+CPU the copies are synchronous and happen at the same points, so the same code path is tested everywhere
+(host and device being the same memory there, nothing is saved).
+
+The hooks run outside compiled code (`torch.compiler.disable`): compile each block, or the model, whose
+loop over blocks then runs eagerly around one graph per block, as with FSDP2. Dynamo does not guard on module
+hooks by default: installing turns those guards on for the process (`skip_nnmodule_hook_guards = False`) and
+resets Dynamo's caches, as code compiled without the hooks would read the emptied parameters. `state_dict()` of the model gives the host copies; `load_state_dict()`
+writes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpcs_compiler.ops.offload_ops import _side_stream, copy_to_host_async
+
+
+class ParameterOffload:
+    """Keeps the parameters of `modules` in host memory between uses; see the module docstring.
+
+    prefetch: how many modules ahead (in forward; behind, in backward) are brought in when one starts.
+    """
+
+    def __init__(self, modules: Sequence[nn.Module], *, prefetch: int = 1) -> None:
+        modules = list(modules)
+        if not modules or not all(isinstance(m, nn.Module) for m in modules):
+            raise ValueError("ParameterOffload needs a non-empty list of nn.Module to offload")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch must be an int >= 0; got {prefetch!r}")
+        for outer in modules:
+            for inner in modules:
+                if outer is not inner and any(inner is m for m in outer.modules()):
+                    raise ValueError(f"offloaded modules must not contain each other: {type(outer).__name__} "
+                                     f"contains {type(inner).__name__}")
+        self.modules = modules
+        self.prefetch = prefetch
+        self.params: dict[nn.Module, list[nn.Parameter]] = {m: list(m.parameters()) for m in modules}
+        unique = {id(p): p for params in self.params.values() for p in params}
+        self.host: dict[int, torch.Tensor] = {}
+        self._param: dict[int, nn.Parameter] = unique
+        self._grad: dict[int, torch.Tensor] = {}  # host gradients, accumulated until the optimizer takes them
+        self._pending_grads: list[tuple[int, torch.Tensor, Any]] = []  # (param, staging, event) on CUDA
+        self._ready: dict[int, Any] = {}  # param -> event of its H2D copy (CUDA)
+        self._resident: set[int] = set()
+        self._running: dict[int, int] = {}  # param -> modules running their forward with it
+        self._order: list[nn.Module] = []  # modules in the order of the last whole forward
+        self._this_forward: list[nn.Module] = []
+        self._backward_queued = False
+        self._handles: list[Any] = []
+        for param in unique.values():
+            storage = param.untyped_storage()
+            if param.storage_offset() != 0 or storage.nbytes() != param.numel() * param.element_size():
+                raise ValueError(f"a parameter of shape {tuple(param.shape)} is a view into a larger storage; "
+                                 "ParameterOffload moves whole storages")
+            host = torch.empty(param.shape, dtype=param.dtype, device="cpu", pin_memory=param.is_cuda)
+            host.copy_(param.detach())
+            self.host[id(param)] = host
+            if param.requires_grad:  # frozen ones are let go at the end of the backward
+                self._handles.append(param.register_post_accumulate_grad_hook(self._gradient_ready))
+        for module in modules:
+            self._handles.append(module.register_forward_pre_hook(self._before_forward))
+            self._handles.append(module.register_forward_hook(self._after_forward))
+            self._handles.append(module._register_state_dict_hook(self._state_dict_from_host))
+            self._handles.append(module._register_load_state_dict_pre_hook(self._load_into_host, with_module=True))
+            self._handles.append(module.register_load_state_dict_post_hook(self._after_load))
+        for param in unique.values():
+            self._release(param)
+        # By default Dynamo does not guard on module hooks (`skip_nnmodule_hook_guards`): code compiled for a
+        # module without them (this one before, or another of its class) would run this one without them, on
+        # parameters whose storage is empty. From now on it guards on them, and what it compiled goes.
+        torch._dynamo.config.skip_nnmodule_hook_guards = False
+        torch._dynamo.reset()
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        self._handles.append(register_optimizer_step_pre_hook(self._refuse_unaware_optimizers))
+
+    # ---- what the optimizer sees
+
+    def owns(self, param: torch.Tensor) -> bool:
+        return id(param) in self._param
+
+    def host_param(self, param: torch.Tensor) -> torch.Tensor:
+        """The host master copy of an offloaded parameter, its `.grad` the host gradient (after `settle`)."""
+        return self.host[id(param)]
+
+    def settle(self) -> None:
+        """Finish moving gradients out (CUDA) and hang each host gradient on its host parameter."""
+        for key, staging, event in self._pending_grads:
+            event.synchronize()
+            self._accumulate(key, staging)
+        self._pending_grads.clear()
+        for key, host in self.host.items():
+            host.grad = self._grad.get(key)
+
+    def zero_grad(self) -> None:
+        self.settle()
+        self._grad.clear()
+        for host in self.host.values():
+            host.grad = None
+
+    def host_bytes(self) -> int:
+        return sum(t.nbytes for t in self.host.values()) + sum(t.nbytes for t in self._grad.values())
+
+    # ---- moving parameters
+
+    def _fetch(self, param: nn.Parameter) -> None:
+        key = id(param)
+        if key in self._resident:
+            return
+        param.untyped_storage().resize_(param.numel() * param.element_size())
+        host = self.host[key]
+        if param.is_cuda:
+            side = _side_stream(param.device)
+            side.wait_stream(torch.cuda.current_stream(param.device))
+            with torch.cuda.stream(side):
+                param.data.copy_(host, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(side)
+            self._ready[key] = done
+        else:
+            param.data.copy_(host)
+        self._resident.add(key)
+
+    def _wait(self, params: Iterable[nn.Parameter]) -> None:
+        for param in params:
+            done = self._ready.pop(id(param), None)
+            if done is not None:
+                torch.cuda.current_stream(param.device).wait_event(done)
+
+    def _release(self, param: nn.Parameter) -> None:
+        key = id(param)
+        self._wait([param])
+        param.untyped_storage().resize_(0)
+        self._resident.discard(key)
+
+    def _neighbours(self, module: nn.Module, direction: int) -> list[nn.Module]:
+        """The `prefetch` modules after (direction +1) or before (-1) `module` in the last forward's order."""
+        order = self._order or self._this_forward
+        if module not in order:
+            return []
+        at = order.index(module)
+        return [order[i] for i in range(at + direction, at + direction * (self.prefetch + 1), direction)
+                if 0 <= i < len(order)]
+
+    # ---- hooks (outside compiled code)
+
+    @torch.compiler.disable
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        if self._this_forward and module is self._this_forward[0]:  # the first module again: a new forward
+            self._order, self._this_forward = self._this_forward, []
+        if module not in self._this_forward:
+            self._this_forward.append(module)
+        for param in self.params[module]:
+            self._running[id(param)] = self._running.get(id(param), 0) + 1
+            self._fetch(param)
+        for ahead in self._neighbours(module, +1):
+            for param in self.params[ahead]:
+                self._fetch(param)
+        self._wait(self.params[module])
+
+    @torch.compiler.disable
+    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        for param in self.params[module]:
+            self._running[id(param)] -= 1
+            if not self._running[id(param)]:
+                self._release(param)
+        outputs = [t for t in _tensors(output) if t.requires_grad]
+        if outputs and torch.is_grad_enabled():
+            torch.autograd.graph.register_multi_grad_hook(
+                outputs, lambda grads: self._before_backward(module), mode="any")
+
+    def _before_backward(self, module: nn.Module) -> None:
+        for param in self.params[module]:
+            self._fetch(param)
+        for behind in self._neighbours(module, -1):
+            for param in self.params[behind]:
+                self._fetch(param)
+        self._wait(self.params[module])
+        if not self._backward_queued:
+            self._backward_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+
+    def _after_backward(self) -> None:
+        self._backward_queued = False
+        for key in list(self._resident):
+            if not self._running.get(key):
+                self._release(self._param[key])
+
+    def _gradient_ready(self, param: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is None:
+            return
+        key = id(param)
+        if grad.is_cuda:
+            self._pending_grads.append((key, *copy_to_host_async(grad)))
+        else:
+            self._accumulate(key, grad)
+        param.grad = None
+        if not self._running.get(key):
+            self._release(param)
+
+    def _accumulate(self, key: int, grad: torch.Tensor) -> None:
+        held = self._grad.get(key)
+        if held is None:
+            self._grad[key] = grad.detach()  # a host tensor no one else holds: the staging copy, or a CPU grad
+        else:
+            held.add_(grad)
+
+    def _refuse_unaware_optimizers(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if getattr(optimizer, "offload", None) is self:
+            return
+        if any(self.owns(p) for group in optimizer.param_groups for p in group["params"]):
+            raise RuntimeError(
+                f"{type(optimizer).__name__} steps parameters whose gradients ParameterOffload keeps on the host; "
+                "it would skip them. Step them with CompressedOptimizer(optimizer, offload=...)")
+
+    # ---- the model's state dict reads and writes the host copies
+
+    def _state_dict_from_host(self, module: nn.Module, state: dict[str, Any], prefix: str, local: Any) -> None:
+        for name, param in module.named_parameters():
+            if prefix + name in state and self.owns(param):
+                state[prefix + name] = self.host[id(param)]
+
+    def _load_into_host(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        for name, param in module.named_parameters():
+            if self.owns(param) and prefix + name in state_dict:
+                self._fetch(param)  # module.load_state_dict copies into the parameter itself
+                self._wait([param])
+
+    def _after_load(self, module: nn.Module, incompatible: Any) -> None:
+        for param in self.params[module]:
+            if id(param) in self._resident and not self._running.get(id(param)):
+                self.host[id(param)].copy_(param.detach())
+                self._release(param)
+
+    def close(self) -> None:
+        """Bring every parameter back to the device for good and remove the hooks."""
+        self.settle()
+        for param in self._param.values():
+            self._fetch(param)
+            self._wait([param])
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        torch._dynamo.reset()  # code compiled with the hooks calls them
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in _tensors(item)]
+    return []

@@ -1,0 +1,166 @@
+"""ParameterOffload: parameters of chosen blocks live in host buffers between uses, come back before the block's
+forward and backward (the next block prefetched), their gradients go out as soon as they are final, and the
+optimizer steps them on the host: training equals plain AdamW bit for bit on CPU, eager and compiled."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from dpcs_compiler.runtime.compressed_optimizer import CompressedOptimizer
+from dpcs_compiler.runtime.param_offload import ParameterOffload
+from dpcs_compiler.runtime.state_codec import Encoded
+from dpcs_testing import dpcs_compile
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.linear = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.nn.functional.gelu(self.linear(self.norm(x)))
+
+
+class Stack(torch.nn.Module):
+    def __init__(self, blocks: int = 4) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(16, 32)
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(blocks))
+        self.head = torch.nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def stack() -> Stack:
+    torch.manual_seed(0)
+    return Stack()
+
+
+def train(model, optimizer, steps: int, *, micro_batches: int = 1, seed: int = 1) -> list[float]:
+    generator = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        for _ in range(micro_batches):
+            loss = model(torch.randn(8, 16, generator=generator)).square().mean()
+            loss.backward()
+            losses.append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses
+
+
+def offloaded(net: Stack, blocks=(1, 2), **options):
+    offload = ParameterOffload([net.blocks[i] for i in blocks])
+    return offload, CompressedOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2), offload=offload, **options)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "dpcs"])
+def test_offloaded_training_is_plain_adamw_bit_for_bit(compiled):
+    plain_net, net = stack(), stack()
+    plain = torch.optim.AdamW(plain_net.parameters(), lr=1e-2)
+    offload, optimizer = offloaded(net, states="fp32")
+    run = (lambda m: dpcs_compile(m)) if compiled else (lambda m: m)
+    assert train(run(plain_net), plain, 50) == train(run(net), optimizer, 50)
+    expected, got = plain_net.state_dict(), net.state_dict()
+    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+    assert all(p.untyped_storage().nbytes() == 0 for block in net.blocks[1:3] for p in block.parameters())
+    state_bytes = optimizer.state_bytes()
+    block_state = sum(p.numel() * 4 * 2 for block in net.blocks[1:3] for p in block.parameters())
+    assert state_bytes["host"] >= block_state  # the offloaded blocks' moments live with them on the host
+    if compiled:
+        from dpcs_compiler import compile_records
+
+        assert compile_records(), "the blocks ran through dpcs"
+
+
+def test_gradients_accumulate_over_micro_batches_as_on_the_device():
+    plain_net, net = stack(), stack()
+    plain = torch.optim.AdamW(plain_net.parameters(), lr=1e-2)
+    _, optimizer = offloaded(net, states="fp32")
+    assert train(plain_net, plain, 5, micro_batches=3) == train(net, optimizer, 5, micro_batches=3)
+    for a, b in zip(plain_net.parameters(), net.state_dict().values()):
+        assert torch.equal(a.detach(), b)
+
+
+def test_a_block_is_in_memory_only_while_it_or_its_neighbour_runs():
+    net = stack()
+    offload, optimizer = offloaded(net, blocks=(0, 1, 2, 3))
+    seen: list[tuple[str, int, list[int]]] = []
+
+    def resident() -> list[int]:
+        return [i for i, block in enumerate(net.blocks) if block.linear.weight.untyped_storage().nbytes()]
+
+    for i, block in enumerate(net.blocks):
+        block.linear.register_forward_hook(lambda *_, i=i: seen.append(("forward", i, resident())))
+        block.linear.weight.register_hook(lambda grad, i=i: seen.append(("backward", i, resident())))
+    train(net, optimizer, 1)  # learns the order
+    seen.clear()
+    train(net, optimizer, 1)
+    assert seen == [
+        ("forward", 0, [0, 1]), ("forward", 1, [1, 2]), ("forward", 2, [2, 3]), ("forward", 3, [3]),
+        ("backward", 3, [2, 3]), ("backward", 2, [1, 2]), ("backward", 1, [0, 1]), ("backward", 0, [0]),
+    ]
+    assert resident() == [] and all(p.grad is None for p in net.parameters() if offload.owns(p))
+
+
+def test_frozen_parameters_come_back_for_backward_and_go_after_it():
+    plain_net, net = stack(), stack()
+    for model in (plain_net, net):
+        model.blocks[1].linear.weight.requires_grad_(False)
+    plain = torch.optim.AdamW([p for p in plain_net.parameters() if p.requires_grad], lr=1e-2)
+    offload = ParameterOffload([net.blocks[1], net.blocks[2]])
+    optimizer = CompressedOptimizer(torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2),
+                                    states="fp32", offload=offload)
+    assert train(plain_net, plain, 5) == train(net, optimizer, 5)
+    assert net.blocks[1].linear.weight.untyped_storage().nbytes() == 0
+
+
+def test_compressed_state_of_offloaded_parameters_stays_on_the_host_and_round_trips():
+    net = stack()
+    _, optimizer = offloaded(net, states="int8", min_elements=0)
+    train(net, optimizer, 3)
+    stored = optimizer.state[net.blocks[1].linear.weight]["exp_avg"]
+    assert isinstance(stored, Encoded) and stored.codes.device.type == "cpu"
+    saved = copy.deepcopy(optimizer.state_dict())
+    model_saved = copy.deepcopy(net.state_dict())
+
+    twin = stack()
+    twin_offload, twin_optimizer = offloaded(twin, states="int8", min_elements=0)
+    twin.load_state_dict(model_saved)
+    twin_optimizer.load_state_dict(saved)
+    assert all(p.untyped_storage().nbytes() == 0 for p in twin.blocks[1].parameters())
+    assert train(net, optimizer, 3, seed=5) == train(twin, twin_optimizer, 3, seed=5)
+    assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), twin.state_dict().values()))
+
+
+def test_a_plain_optimizer_on_offloaded_parameters_is_refused():
+    net = stack()
+    offload = ParameterOffload([net.blocks[0]])
+    plain = torch.optim.SGD(net.parameters(), lr=0.1)
+    net(torch.randn(2, 16)).sum().backward()
+    with pytest.raises(RuntimeError, match="SGD steps parameters whose gradients ParameterOffload keeps on the host"):
+        plain.step()
+    offload.close()
+    assert all(p.untyped_storage().nbytes() > 0 for p in net.parameters())
+
+
+@pytest.mark.parametrize(
+    "modules, kwargs, message",
+    [
+        (lambda net: [], {}, "non-empty list of nn.Module"),
+        (lambda net: [net.blocks, net.blocks[0]], {}, "must not contain each other: ModuleList contains Block"),
+        (lambda net: [net.blocks[0]], {"prefetch": -1}, "prefetch must be an int >= 0; got -1"),
+    ],
+)
+def test_bad_input_is_named(modules, kwargs, message):
+    net = stack()
+    with pytest.raises(ValueError, match=message):
+        ParameterOffload(modules(net), **kwargs)
