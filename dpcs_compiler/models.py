@@ -209,6 +209,23 @@ def markov_text(vocab: int, batch: int, seq: int, steps: int, *, successors: int
     return batches
 
 
+def markov_gpt_final_loss(make_optimizer, steps: int = 200, *, seed: int = 0) -> float:
+    """Train a 2-layer `MiniGPT` (d_model 64) `steps` steps of 8 sequences of `markov_text` with the optimizer
+    `make_optimizer(parameters)` makes; the mean of its last 10 losses (the floor is log 4 = 1.386 nats)."""
+    cfg = GPTConfig(vocab=128, block_size=64, d_model=64, heads=2, layers=2)
+    torch.manual_seed(seed)
+    model = MiniGPT(cfg)
+    optimizer = make_optimizer(model.parameters())
+    losses = []
+    for tokens, targets in markov_text(cfg.vocab, 8, cfg.block_size, steps, seed=seed):
+        loss = model(tokens, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return sum(losses[-10:]) / len(losses[-10:])
+
+
 # --- Benchmark models (`dpcs bench`) --------------------------------------------------------------------
 #
 # Each has a list of blocks (`checkpoint_blocks`) so the benchmark can apply eager full activation

@@ -20,13 +20,14 @@ saves them sharded. `decompress_state_dict` turns such a dict into one the plain
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
 from dpcs_compiler.runtime.param_offload import ParameterOffload
-from dpcs_compiler.runtime.state_codec import FORMATS, Encoded, blocks_shape, check_format, decode, encode
+from dpcs_compiler.runtime.state_codec import FORMATS, Encoded, blocks_shape, check_format, decode, encode, region
 
 FORMAT_VERSION = 1
 
@@ -148,8 +149,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if self.offload is not None:
             self.offload.settle()
         ready = [p for group in self.param_groups for p in group["params"] if self._live(p).grad is not None]
-        for chunk in self._chunks(ready):
-            self._step_chunk(chunk)
+        for chunk, part, last in self._pieces(ready):
+            if part is None:
+                self._step_chunk(chunk)
+            else:
+                self._step_rows(chunk[0], part, last)
         if self.offload is not None:
             self.offload.zero_grad()  # the host gradients are consumed
 
@@ -162,18 +166,93 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """Where the parameter lives for the step: its host copy if offloaded, else itself."""
         return self.offload.host_param(param) if self.offload is not None and self.offload.owns(param) else param
 
-    def _chunks(self, params: list[torch.Tensor]) -> Iterable[list[torch.Tensor]]:
+    def _pieces(self, params: list[torch.Tensor]) -> Iterable[tuple[list[torch.Tensor], slice | None, bool]]:
+        """(parameters, None, True): whole parameters of about `chunk_bytes` of full-precision state together;
+        ([parameter], rows, last?): a parameter whose state alone is larger, a slice of rows at a time."""
+        per_element = 4 * max(1, len(self.policy))
         chunk: list[torch.Tensor] = []
         size = 0
         for param in params:
-            nbytes = _local(param).numel() * 4 * len(self.policy)
+            local = _local(param)
+            nbytes = local.numel() * per_element
+            # Sliced once its state exists: the first step makes it whole (the wrapped optimizer's own start).
+            if (nbytes > self.chunk_bytes and self.state.get(param) and not _is_dtensor(param) and local.dim() >= 1
+                    and local.shape[0] > 1):
+                if chunk:
+                    yield chunk, None, True
+                    chunk, size = [], 0
+                if local.dim() >= 2:
+                    step = max(1, self.chunk_bytes // (math.prod(local.shape[1:]) * per_element))
+                else:  # elements, a whole number of blocks
+                    step = max(self.block_size, self.chunk_bytes // per_element // self.block_size * self.block_size)
+                for start in range(0, local.shape[0], step):
+                    yield [param], slice(start, min(start + step, local.shape[0])), start + step >= local.shape[0]
+                continue
             if chunk and size + nbytes > self.chunk_bytes:
-                yield chunk
+                yield chunk, None, True
                 chunk, size = [], 0
             chunk.append(param)
             size += nbytes
         if chunk:
-            yield chunk
+            yield chunk, None, True
+
+    def _inner_step(self, params: dict[int, torch.Tensor]) -> None:
+        """The wrapped optimizer's step on `params` only (id of a group parameter -> the tensor it steps)."""
+        everything = [group["params"] for group in self.param_groups]
+        try:
+            for group, group_params in zip(self.param_groups, everything):
+                group["params"] = [params[id(p)] for p in group_params if id(p) in params]
+            step = getattr(type(self.inner).step, "__wrapped__", None)  # without the hooks: they ran for us
+            step(self.inner) if step is not None else self.inner.step()
+        finally:
+            for group, group_params in zip(self.param_groups, everything):
+                group["params"] = group_params
+
+    def _step_rows(self, param: torch.Tensor, part: slice, last: bool) -> None:
+        """The wrapped optimizer's step on rows `part` of `param`, with those rows of its state: every supported
+        optimizer updates each element from its own state and the parameter's step count, so a slice at a
+        time is the whole step, and only a slice of the state is decoded at a time."""
+        live = self._live(param)
+        full = self.state[param]
+        rows = live.detach()[part]
+        rows.grad = live.grad[part]
+        state: dict[str, Any] = {}
+        for name, value in full.items():
+            if isinstance(value, Encoded):
+                state[name] = decode(region(value, part), rows.device)
+            elif isinstance(value, torch.Tensor) and value.shape == param.shape:
+                state[name] = value[part]  # updated in place
+            else:
+                state[name] = value.clone() if isinstance(value, torch.Tensor) else value
+        if state:
+            self.state[rows] = state
+        try:
+            self._inner_step({id(param): rows})
+        finally:
+            state = self.state.pop(rows, {})
+        for name, value in state.items():
+            current = full.get(name)
+            if not (isinstance(value, torch.Tensor) and value.shape == rows.shape and value.dim() >= 1):
+                if last:  # the step count: the same for every slice, kept once all are done
+                    full[name] = value
+            elif isinstance(current, Encoded):
+                self._write_encoded(param, name, value, current, part)
+            elif isinstance(current, torch.Tensor):
+                if current[part].data_ptr() != value.data_ptr():  # the optimizer made a new tensor
+                    current[part].copy_(value)
+            else:
+                raise AssertionError(f"state {name!r} appeared after the first step of a sliced parameter")
+        if last:
+            self._steps[param] = self._steps.get(param, 0) + 1
+            self._store(param)
+
+    def _write_encoded(self, param: torch.Tensor, name: str, value: torch.Tensor, held: Encoded, part: slice) -> None:
+        """Rows `part` of a stored state, written in place from their new full-precision values."""
+        target = region(held, part)
+        if target.codes.device == value.device:
+            encode(value, held.format, block_size=held.block_size, signed=self.signs[name], out=target)
+        else:
+            self._to_host(encode(value, held.format, block_size=held.block_size, signed=self.signs[name]), target)
 
     def _step_chunk(self, chunk: list[torch.Tensor]) -> None:
         live = {id(p): self._live(p) for p in chunk}
@@ -181,15 +260,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
             if live[id(param)] is not param and param in self.state:
                 self.state[live[id(param)]] = self.state.pop(param)
             self._materialize(live[id(param)])
-        everything = [group["params"] for group in self.param_groups]
         try:
-            for group, params in zip(self.param_groups, everything):
-                group["params"] = [live[id(p)] for p in params if id(p) in live]
-            step = getattr(type(self.inner).step, "__wrapped__", None)  # without the hooks: they ran for us
-            step(self.inner) if step is not None else self.inner.step()
+            self._inner_step(live)
         finally:
-            for group, params in zip(self.param_groups, everything):
-                group["params"] = params
             for param in chunk:
                 if live[id(param)] is not param and live[id(param)] in self.state:
                     self.state[param] = self.state.pop(live[id(param)])

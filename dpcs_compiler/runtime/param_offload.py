@@ -61,7 +61,8 @@ class ParameterOffload:
         unique = {id(p): p for params in self.params.values() for p in params}
         self.host: dict[int, torch.Tensor] = {}
         self._param: dict[int, nn.Parameter] = unique
-        self._grad: dict[int, torch.Tensor] = {}  # host gradients, accumulated until the optimizer takes them
+        self.host_grad: dict[int, torch.Tensor] = {}  # host gradients, accumulated until the optimizer takes them
+        self._has_grad: set[int] = set()
         self._pending_grads: list[tuple[int, torch.Tensor, Any]] = []  # (param, staging, event) on CUDA
         self._ready: dict[int, Any] = {}  # param -> event of its H2D copy (CUDA)
         self._resident: set[int] = set()
@@ -78,7 +79,8 @@ class ParameterOffload:
             host = torch.empty(param.shape, dtype=param.dtype, device="cpu", pin_memory=param.is_cuda)
             host.copy_(param.detach())
             self.host[id(param)] = host
-            if param.requires_grad:  # frozen ones are let go at the end of the backward
+            if param.requires_grad:  # frozen ones have no gradient, and are let go at the end of the backward
+                self.host_grad[id(param)] = torch.empty_like(host, pin_memory=param.is_cuda)
                 self._handles.append(param.register_post_accumulate_grad_hook(self._gradient_ready))
         for module in modules:
             self._handles.append(module.register_forward_pre_hook(self._before_forward))
@@ -113,16 +115,17 @@ class ParameterOffload:
             self._accumulate(key, staging)
         self._pending_grads.clear()
         for key, host in self.host.items():
-            host.grad = self._grad.get(key)
+            host.grad = self.host_grad[key] if key in self._has_grad else None
 
     def zero_grad(self) -> None:
         self.settle()
-        self._grad.clear()
+        self._has_grad.clear()
         for host in self.host.values():
             host.grad = None
 
     def host_bytes(self) -> int:
-        return sum(t.nbytes for t in self.host.values()) + sum(t.nbytes for t in self._grad.values())
+        """Bytes of the host copies of the parameters and of their gradients (allocated once, at install)."""
+        return sum(t.nbytes for t in self.host.values()) + sum(t.nbytes for t in self.host_grad.values())
 
     # ---- moving parameters
 
@@ -223,11 +226,11 @@ class ParameterOffload:
             self._release(param)
 
     def _accumulate(self, key: int, grad: torch.Tensor) -> None:
-        held = self._grad.get(key)
-        if held is None:
-            self._grad[key] = grad.detach()  # a host tensor no one else holds: the staging copy, or a CPU grad
+        if key in self._has_grad:
+            self.host_grad[key].add_(grad)
         else:
-            held.add_(grad)
+            self.host_grad[key].copy_(grad)
+            self._has_grad.add(key)
 
     def _refuse_unaware_optimizers(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if getattr(optimizer, "offload", None) is self:

@@ -165,6 +165,24 @@ def _pieces(rows: int, cols: int, block_size: int) -> Iterator[tuple[slice, slic
                    slice(c // block_size, -(-end // block_size) if end > c else c // block_size + 1))
 
 
+def region(encoded: Encoded, part: slice) -> Encoded:
+    """The rows `part` of a stored tensor of two or more dimensions, or the elements `part` (starting at a
+    multiple of the block size) of a one-dimensional one: views of its codes and scales."""
+    codes = encoded.codes[part]
+    scales = encoded.scales
+    if scales is not None:
+        if encoded.codes.dim() >= 2:
+            scales = scales[part]
+        else:
+            start = part.start or 0
+            if start % encoded.block_size:
+                raise ValueError(f"a region of a 1-D stored tensor starts at a block: {start} is not a multiple "
+                                 f"of {encoded.block_size}")
+            first = start // encoded.block_size
+            scales = scales[:, first:first + blocks_shape(codes.shape, encoded.block_size)[1]]
+    return Encoded(encoded.format, codes, scales, encoded.block_size, encoded.signed, encoded.dtype)
+
+
 def _blocked(piece: torch.Tensor, block_size: int) -> torch.Tensor:
     """A (rows, cols) piece as (rows, blocks, block_size), the last block padded with zeros."""
     blocks = max(1, -(-piece.shape[1] // block_size))

@@ -1,0 +1,252 @@
+"""Model-state memory: optimizer state compressed or on the host, parameters offloaded, side by side.
+
+    python benchmarks/model_states.py [--models gpt,wide] [--steps 20] [--warmup 3] [--chunk-mib 4]
+        [--loss-steps 200] [--out benchmarks/results]
+
+Per model (the bench's small GPT, and a wider GPT: d_model 512) one training step (forward, loss, backward,
+optimizer step, zero_grad) under each strategy, each on its own copy of the model with the same weights:
+
+  stateless      SGD without momentum: no optimizer state (the reference for the optimizer-state part)
+  adamw          torch.optim.AdamW, fp32 state on the device
+  fp16, int8     CompressedOptimizer(AdamW, states=...): both moments stored compressed on the device
+  int8_host      ... int8, on_host=True: the stored state in host memory
+  fp32_host      ... fp32, on_host=True: the state in host memory, uncompressed (optimizer offload)
+  offload        ParameterOffload on every block + CompressedOptimizer(fp32, on_host): the blocks' parameters
+                 and gradients in host memory too, their optimizer step on the host
+  torchao_int8   torchao.optim.AdamW8bit, where torchao imports
+
+Device peak: what was allocated at the step's start on the device side (parameters, buffers, the input,
+optimizer state not in host buffers) plus the step's measured increase (CPU profiler; CUDA allocator). On
+CPU, host buffers (pinned memory on a GPU) are the same memory but are kept out of the device figure: they
+are allocated once and written in place, so the profiler's increase never contains them. The optimizer-state
+part of a peak is its device peak minus the stateless strategy's. Step time: median of `--steps` steps
+after `--warmup`, interleaved round-robin; ratios against adamw.
+
+Numerics (`--loss-steps`): the final loss (mean of the last 10 steps) of a 2-layer GPT trained on a Markov
+chain language with fp32 state, int8 state, and torchao's 8-bit AdamW where it imports.
+Writes model_states_<device>.json and .png under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as a script from a checkout without the package installed
+    sys.path.insert(0, str(REPO))
+
+from dpcs_compiler.measure import measure_peak_memory, resident_bytes  # noqa: E402
+from dpcs_compiler.models import GPTConfig, MiniGPT, bench_workload, markov_gpt_final_loss  # noqa: E402
+from dpcs_compiler.runtime import CompressedOptimizer, ParameterOffload  # noqa: E402
+
+MiB = 2**20
+STRATEGIES = ("stateless", "adamw", "fp16", "int8", "int8_host", "fp32_host", "offload", "torchao_int8")
+
+
+def torchao_adamw8bit() -> type | None:
+    try:
+        from torchao.optim import AdamW8bit
+    except Exception:  # not installed, or not for this torch
+        return None
+    return AdamW8bit
+
+
+def build(model: torch.nn.Module, strategy: str, chunk_bytes: int) -> tuple[torch.optim.Optimizer, object]:
+    """The strategy's optimizer for `model` (and its ParameterOffload, or None)."""
+    adamw = lambda params: torch.optim.AdamW(params, lr=1e-3)  # noqa: E731
+    wrap = dict(chunk_bytes=chunk_bytes)
+    if strategy == "stateless":
+        return torch.optim.SGD(model.parameters(), lr=1e-3), None
+    if strategy == "adamw":
+        return adamw(model.parameters()), None
+    if strategy in ("fp16", "int8"):
+        return CompressedOptimizer(adamw(model.parameters()), states=strategy, **wrap), None
+    if strategy in ("int8_host", "fp32_host"):
+        return CompressedOptimizer(adamw(model.parameters()), states=strategy.split("_")[0], on_host=True, **wrap), None
+    if strategy == "offload":
+        offload = ParameterOffload(list(model.blocks))
+        return CompressedOptimizer(adamw(model.parameters()), states="fp32", on_host=True, offload=offload,
+                                   **wrap), offload
+    if strategy == "torchao_int8":
+        cls = torchao_adamw8bit()
+        if cls is None:
+            raise RuntimeError("torchao does not import here")
+        return cls(model.parameters(), lr=1e-3), None
+    raise ValueError(f"unknown strategy {strategy!r}; valid: {', '.join(STRATEGIES)}")
+
+
+def state_device_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Optimizer state bytes on the device side (outside dpcs's host buffers)."""
+    if isinstance(optimizer, CompressedOptimizer):
+        return optimizer.state_bytes()["device"]
+    tensors = []
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                inner = getattr(type(value), "__tensor_flatten__", None)
+                tensors += [getattr(value, n) for n in inner(value)[0]] if inner else [value]
+    return resident_bytes([t for t in tensors if t.dim() > 0])
+
+
+def host_bytes(optimizer: torch.optim.Optimizer, offload: ParameterOffload | None) -> int:
+    held = optimizer.state_bytes()["host"] if isinstance(optimizer, CompressedOptimizer) else 0
+    return held + (offload.host_bytes() if offload is not None else 0)
+
+
+def device_resident(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> int:
+    live = [t for t in (*model.parameters(), *model.buffers(), *inputs) if t.untyped_storage().nbytes()]
+    return resident_bytes(live)
+
+
+def measure_model(name: str, strategies: list[str], args: argparse.Namespace) -> dict:
+    w = bench_workload("gpt") if name == "gpt" else wide_gpt()
+    runs: dict[str, dict] = {}
+    for strategy in strategies:
+        model = copy.deepcopy(w.model)
+        try:
+            optimizer, offload = build(model, strategy, args.chunk_mib * MiB)
+        except RuntimeError as error:
+            runs[strategy] = {"error": str(error)}
+            continue
+
+        def step(model=model, optimizer=optimizer) -> None:
+            w.loss_fn(model(*w.inputs)).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        for _ in range(args.warmup):
+            step()
+        baseline = device_resident(model, w.inputs) + state_device_bytes(optimizer)
+        _, peak = measure_peak_memory(step)
+        runs[strategy] = {
+            "step": step, "device_peak": peak.absolute(baseline), "optimizer_state_device": state_device_bytes(optimizer),
+            "host": host_bytes(optimizer, offload), "parameters_device": device_resident(model, ()), "times": [],
+        }
+    timed = [s for s in strategies if "step" in runs[s]]
+    for _ in range(args.steps):  # interleaved round-robin
+        for strategy in timed:
+            start = time.perf_counter()
+            runs[strategy]["step"]()
+            runs[strategy]["times"].append(time.perf_counter() - start)
+    stateless = runs.get("stateless", {}).get("device_peak")
+    plain = runs.get("adamw", {})
+    rows = {}
+    for strategy, run in runs.items():
+        if "error" in run:
+            rows[strategy] = run
+            continue
+        row = {k: run[k] for k in ("device_peak", "optimizer_state_device", "host", "parameters_device")}
+        row["step_seconds"] = statistics.median(run["times"])
+        if plain.get("times"):
+            row["time_ratio"] = row["step_seconds"] / statistics.median(plain["times"])
+        if stateless is not None:
+            row["optimizer_state_part"] = row["device_peak"] - stateless
+        rows[strategy] = row
+    base_part = rows.get("adamw", {}).get("optimizer_state_part")
+    for row in rows.values():
+        if base_part and "optimizer_state_part" in row:
+            row["optimizer_state_cut"] = 1 - row["optimizer_state_part"] / base_part
+    return {"parameters": sum(p.numel() for p in w.model.parameters()), "strategies": rows}
+
+
+def wide_gpt():
+    from dpcs_compiler.models import Workload, _identity
+
+    generator = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=512, block_size=64, d_model=512, heads=8, layers=4)
+    idx = torch.randint(0, cfg.vocab, (4, cfg.block_size), generator=generator)
+    return Workload("wide", MiniGPT(cfg), (idx, torch.roll(idx, -1, dims=1)), _identity)
+
+
+def final_losses(steps: int) -> dict[str, float]:
+    """Mean of the last 10 losses of a small GPT trained `steps` steps on a Markov language, per optimizer."""
+    makers: dict[str, Callable] = {
+        "fp32 state (AdamW)": lambda p: torch.optim.AdamW(p, lr=3e-3),
+        "int8 state (dpcs)": lambda p: CompressedOptimizer(torch.optim.AdamW(p, lr=3e-3), states="int8"),
+    }
+    if torchao_adamw8bit() is not None:
+        makers["int8 state (torchao AdamW8bit)"] = lambda p: torchao_adamw8bit()(p, lr=3e-3)
+    return {name: markov_gpt_final_loss(make, steps) for name, make in makers.items()}
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(results["models"])
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for ax, name in zip(axes[0], models):
+        rows = {s: r for s, r in results["models"][name]["strategies"].items() if "device_peak" in r}
+        for strategy, row in rows.items():
+            ax.scatter(row["step_seconds"] * 1e3, row["device_peak"] / MiB)
+            ax.annotate(strategy, (row["step_seconds"] * 1e3, row["device_peak"] / MiB), fontsize=8,
+                        xytext=(4, 2), textcoords="offset points")
+        ax.set_xlabel("step time (ms, median)")
+        ax.set_ylabel("device peak (MiB)")
+        ax.set_title(f"{name} ({results['models'][name]['parameters'] / 1e6:.1f}M parameters)")
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"model-state strategies: {results['device']}, torch {results['torch']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="gpt,wide")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--chunk-mib", type=int, default=4, help="CompressedOptimizer chunk_bytes, MiB")
+    parser.add_argument("--loss-steps", type=int, default=200)
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    args = parser.parse_args(argv)
+    from rich.console import Console
+    from rich.table import Table
+
+    device = f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    results = {"device": device, "torch": torch.__version__, "python": platform.python_version(),
+               "chunk_mib": args.chunk_mib, "models": {}}
+    strategies = args.strategies.split(",")
+    console = Console()
+    for name in args.models.split(","):
+        results["models"][name] = measure_model(name, strategies, args)
+        table = Table(title=f"{name}: {results['models'][name]['parameters'] / 1e6:.2f}M parameters - {device}")
+        for column in ("strategy", "device peak MiB", "opt-state part MiB", "cut vs adamw", "host MiB",
+                       "step ms", "x adamw"):
+            table.add_column(column, justify="left" if column == "strategy" else "right")
+        for strategy, row in results["models"][name]["strategies"].items():
+            if "error" in row:
+                table.add_row(strategy, row["error"], "", "", "", "", "")
+                continue
+            table.add_row(strategy, f"{row['device_peak'] / MiB:.1f}", f"{row.get('optimizer_state_part', 0) / MiB:.1f}",
+                          f"{row['optimizer_state_cut']:.1%}" if "optimizer_state_cut" in row else "",
+                          f"{row['host'] / MiB:.1f}", f"{row['step_seconds'] * 1e3:.1f}",
+                          f"{row['time_ratio']:.2f}" if "time_ratio" in row else "")
+        console.print(table)
+    if args.loss_steps:
+        results["final_loss"] = {"steps": args.loss_steps, "losses": final_losses(args.loss_steps)}
+        fp32 = results["final_loss"]["losses"]["fp32 state (AdamW)"]
+        for name, loss in results["final_loss"]["losses"].items():
+            console.print(f"final loss after {args.loss_steps} steps, {name}: {loss:.4f} ({loss / fp32 - 1:+.2%})")
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "model_states_cpu.json"
+    path.write_text(json.dumps(results, indent=1) + "\n")
+    plot(results, path.with_suffix(".png"))
+    console.print(f"wrote {path} and {path.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

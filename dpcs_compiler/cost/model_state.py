@@ -1,0 +1,100 @@
+"""What keeping an optimizer's state one way or another costs: bytes on the device and seconds added to a
+step. Pure functions of counts and measured rates (`StateRates`), no optimizer inside.
+
+A lever is a format for the state tensors an optimizer may store compressed (`runtime/state_codec.py`) and
+whether they live in host memory between steps. Stored compressed, a state is decoded and encoded again
+once per step (a chunk at a time); in host memory, it also crosses the host link both ways. Where the host
+is the device's own memory (a CPU run), host levers save nothing and are not offered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+FORMATS = ("fp32", "bf16", "fp16", "int8")
+_ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
+_SCALED = ("fp16", "int8")
+
+
+@dataclasses.dataclass(frozen=True)
+class StateLever:
+    """How an optimizer's storable state is kept between steps."""
+
+    format: str = "fp32"
+    on_host: bool = False
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ValueError(f"StateLever.format={self.format!r} is not a state format; valid: {', '.join(FORMATS)}")
+
+    def describe(self) -> str:
+        return f"{self.format}{' in host memory' if self.on_host else ''}"
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerStateShape:
+    """An optimizer's state in counts: the elements of the state tensors a lever may store (per parameter, its
+    elements times its storable states), the bytes that stay as they are whatever the lever (tensors below the
+    small-tensor bypass, step counts), the stored blocks' size, and the full-precision elements decoded at a
+    time inside the step (the chunk)."""
+
+    stored_elements: int
+    kept_bytes: int = 0
+    block_size: int = 256
+    chunk_elements: int = 1 << 24
+
+    def __post_init__(self) -> None:
+        for name in ("stored_elements", "kept_bytes", "block_size", "chunk_elements"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "block_size" else 0):
+                raise ValueError(f"OptimizerStateShape.{name}={value!r} is not valid: an int >= "
+                                 f"{1 if name == 'block_size' else 0}")
+
+
+@dataclasses.dataclass(frozen=True)
+class StateRates:
+    """Measured on the device the state is used on: seconds per element to encode and to decode each format,
+    and the host link's bytes per second each way (None: the host is the device's memory)."""
+
+    encode_seconds: Mapping[str, float]
+    decode_seconds: Mapping[str, float]
+    link_bytes_per_second: float | None
+
+
+def stored_bytes(shape: OptimizerStateShape, fmt: str) -> int:
+    """Bytes of the storable state in format `fmt`: the elements, and one fp32 scale per block when scaled."""
+    scales = 4 * math.ceil(shape.stored_elements / shape.block_size) if fmt in _SCALED else 0
+    return shape.stored_elements * _ELEMENT_BYTES[fmt] + scales
+
+
+def device_bytes(shape: OptimizerStateShape, lever: StateLever) -> int:
+    """The state's bytes on the device between steps (and through forward and backward)."""
+    return shape.kept_bytes + (0 if lever.on_host else stored_bytes(shape, lever.format))
+
+
+def step_transient_bytes(shape: OptimizerStateShape, lever: StateLever) -> int:
+    """Full-precision state decoded at once inside the optimizer step (a chunk); nothing when kept as is."""
+    if lever == StateLever():
+        return 0
+    return 4 * min(shape.chunk_elements, shape.stored_elements)
+
+
+def added_seconds(shape: OptimizerStateShape, lever: StateLever, rates: StateRates) -> float:
+    """Seconds the lever adds to a step: decoding and encoding the stored state, and moving it over the host
+    link both ways when it lives there."""
+    if lever == StateLever():
+        return 0.0
+    codec = shape.stored_elements * (rates.encode_seconds[lever.format] + rates.decode_seconds[lever.format])
+    if not lever.on_host:
+        return codec
+    if rates.link_bytes_per_second is None:
+        raise ValueError("a host lever on a device whose host is its own memory: nothing to move, nothing saved")
+    return codec + 2 * stored_bytes(shape, lever.format) / rates.link_bytes_per_second
+
+
+def levers(host_is_device: bool) -> list[StateLever]:
+    """The levers worth offering: every format, and in host memory too where that is other memory."""
+    on_device = [StateLever(fmt) for fmt in FORMATS]
+    return on_device if host_is_device else on_device + [StateLever(fmt, True) for fmt in FORMATS]

@@ -1,0 +1,57 @@
+"""Optimizer-state levers in counts: bytes on the device, the step's transient, seconds added."""
+
+from __future__ import annotations
+
+import pytest
+
+from dpcs_compiler.cost.model_state import (
+    OptimizerStateShape,
+    StateLever,
+    StateRates,
+    added_seconds,
+    device_bytes,
+    levers,
+    step_transient_bytes,
+    stored_bytes,
+)
+
+SHAPE = OptimizerStateShape(stored_elements=2 * 1_000_000, kept_bytes=8_000, block_size=256, chunk_elements=250_000)
+RATES = StateRates(encode_seconds={"fp32": 1e-10, "bf16": 2e-10, "fp16": 1e-9, "int8": 3e-9},
+                   decode_seconds={"fp32": 1e-10, "bf16": 2e-10, "fp16": 5e-10, "int8": 1e-9},
+                   link_bytes_per_second=20e9)
+
+
+def test_stored_bytes_count_elements_and_one_scale_per_block():
+    assert stored_bytes(SHAPE, "fp32") == 8_000_000
+    assert stored_bytes(SHAPE, "bf16") == 4_000_000
+    assert stored_bytes(SHAPE, "fp16") == 4_000_000 + 4 * 7813
+    assert stored_bytes(SHAPE, "int8") == 2_000_000 + 4 * 7813
+
+
+def test_device_bytes_keep_the_small_tensors_and_drop_what_lives_on_the_host():
+    assert device_bytes(SHAPE, StateLever()) == 8_008_000
+    assert device_bytes(SHAPE, StateLever("int8")) == 2_000_000 + 4 * 7813 + 8_000
+    assert device_bytes(SHAPE, StateLever("int8", on_host=True)) == 8_000
+
+
+def test_the_plain_lever_costs_nothing_and_others_decode_a_chunk():
+    assert step_transient_bytes(SHAPE, StateLever()) == 0 and added_seconds(SHAPE, StateLever(), RATES) == 0
+    assert step_transient_bytes(SHAPE, StateLever("int8")) == 4 * 250_000
+    assert added_seconds(SHAPE, StateLever("int8"), RATES) == pytest.approx(2e6 * 4e-9)
+    host = added_seconds(SHAPE, StateLever("int8", True), RATES)
+    assert host == pytest.approx(2e6 * 4e-9 + 2 * stored_bytes(SHAPE, "int8") / 20e9)
+    assert added_seconds(SHAPE, StateLever("fp32", True), RATES) == pytest.approx(2e6 * 2e-10 + 2 * 8e6 / 20e9)
+
+
+def test_host_levers_are_offered_only_where_the_host_is_other_memory():
+    assert all(not lever.on_host for lever in levers(host_is_device=True))
+    assert len(levers(host_is_device=False)) == 8
+    with pytest.raises(ValueError, match="host is its own memory"):
+        added_seconds(SHAPE, StateLever("int8", True), StateRates(RATES.encode_seconds, RATES.decode_seconds, None))
+
+
+def test_bad_values_are_named():
+    with pytest.raises(ValueError, match="'int4' is not a state format; valid: fp32, bf16, fp16, int8"):
+        StateLever("int4")
+    with pytest.raises(ValueError, match="block_size=0"):
+        OptimizerStateShape(stored_elements=1, block_size=0)
