@@ -14,6 +14,9 @@ optimizer step, zero_grad) under each strategy, each on its own copy of the mode
   offload        ParameterOffload on every block + CompressedOptimizer(fp32, on_host): the blocks' parameters
                  and gradients in host memory too, their optimizer step on the host
   torchao_int8   torchao.optim.AdamW8bit, where torchao imports
+  dpcs@F         the model through dpcs (final compiler eager) with memory_budget F x adamw's device peak and
+                 CompressedOptimizer(states="auto"): dpcs chooses how the state is kept with the activation
+                 plan (its budget bounds forward and backward; the optimizer step's transient is outside it)
 
 Device peak: what was allocated at the step's start on the device side (parameters, buffers, the input,
 optimizer state not in host buffers) plus the step's measured increase (CPU profiler; CUDA allocator). On
@@ -36,6 +39,7 @@ import platform
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -45,8 +49,9 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script from a checkout without the package installed
     sys.path.insert(0, str(REPO))
 
-from dpcs_compiler.measure import measure_peak_memory, resident_bytes  # noqa: E402
+from dpcs_compiler.measure import measure_peak_memory, optimizer_state_bytes, resident_bytes  # noqa: E402
 from dpcs_compiler.models import GPTConfig, MiniGPT, bench_workload, markov_gpt_final_loss  # noqa: E402
+from dpcs_compiler.report import step_records  # noqa: E402
 from dpcs_compiler.runtime import CompressedOptimizer, ParameterOffload  # noqa: E402
 
 MiB = 2**20
@@ -86,9 +91,9 @@ def build(model: torch.nn.Module, strategy: str, chunk_bytes: int) -> tuple[torc
 
 
 def state_device_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Optimizer state bytes on the device side (outside dpcs's host buffers)."""
+    """Optimizer state bytes on the device side (outside dpcs's host buffers; torchao's subclass unflattened)."""
     if isinstance(optimizer, CompressedOptimizer):
-        return optimizer.state_bytes()["device"]
+        return optimizer_state_bytes(optimizer)
     tensors = []
     for state in optimizer.state.values():
         for value in state.values():
@@ -111,16 +116,10 @@ def device_resident(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) ->
 def measure_model(name: str, strategies: list[str], args: argparse.Namespace) -> dict:
     w = bench_workload("gpt") if name == "gpt" else wide_gpt()
     runs: dict[str, dict] = {}
-    for strategy in strategies:
-        model = copy.deepcopy(w.model)
-        try:
-            optimizer, offload = build(model, strategy, args.chunk_mib * MiB)
-        except RuntimeError as error:
-            runs[strategy] = {"error": str(error)}
-            continue
 
-        def step(model=model, optimizer=optimizer) -> None:
-            w.loss_fn(model(*w.inputs)).backward()
+    def measure(strategy: str, model: torch.nn.Module, run: Callable, optimizer, offload) -> dict:
+        def step() -> None:
+            w.loss_fn(run(*w.inputs)).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
@@ -128,10 +127,38 @@ def measure_model(name: str, strategies: list[str], args: argparse.Namespace) ->
             step()
         baseline = device_resident(model, w.inputs) + state_device_bytes(optimizer)
         _, peak = measure_peak_memory(step)
-        runs[strategy] = {
+        return {
             "step": step, "device_peak": peak.absolute(baseline), "optimizer_state_device": state_device_bytes(optimizer),
             "host": host_bytes(optimizer, offload), "parameters_device": device_resident(model, ()), "times": [],
         }
+
+    for strategy in strategies:
+        model = copy.deepcopy(w.model)
+        try:
+            optimizer, offload = build(model, strategy, args.chunk_mib * MiB)
+        except RuntimeError as error:
+            runs[strategy] = {"error": str(error)}
+            continue
+        runs[strategy] = measure(strategy, model, model, optimizer, offload)
+    # dpcs's own choice: the model through dpcs with a budget of a fraction of plain AdamW's measured peak, the
+    # optimizer's state kept as dpcs's step planner chooses (states="auto"), jointly with the activation plan.
+    for fraction in (float(f) for f in args.dpcs_fractions.split(",") if f) if "adamw" in runs else ():
+        budget = int(fraction * runs["adamw"]["device_peak"])
+        model = copy.deepcopy(w.model)
+        optimizer = CompressedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), states="auto",
+                                        chunk_bytes=args.chunk_mib * MiB)
+        compiled = torch.compile(model, backend="dpcs", options={
+            "compiler": "eager", "memory_budget": budget, "on_infeasible": "best"})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # an infeasible budget warns: recorded below
+            run = measure(f"dpcs@{fraction}", model, compiled, optimizer, None)
+        record = step_records()[-1] if step_records() else None
+        run["budget"] = budget
+        run["chosen"] = (record.optimizer_state or {}).get("format") if record else None
+        run["predicted_forward_backward_peak"] = record.predicted_peak_bytes if record else None
+        run["feasible"] = record.feasible if record else None
+        runs[f"dpcs@{fraction}"] = run
+        torch._dynamo.reset()
     timed = [s for s in strategies if "step" in runs[s]]
     for _ in range(args.steps):  # interleaved round-robin
         for strategy in timed:
@@ -145,7 +172,8 @@ def measure_model(name: str, strategies: list[str], args: argparse.Namespace) ->
         if "error" in run:
             rows[strategy] = run
             continue
-        row = {k: run[k] for k in ("device_peak", "optimizer_state_device", "host", "parameters_device")}
+        row = {k: run[k] for k in ("device_peak", "optimizer_state_device", "host", "parameters_device", "budget",
+                                   "chosen", "predicted_forward_backward_peak", "feasible") if k in run}
         row["step_seconds"] = statistics.median(run["times"])
         if plain.get("times"):
             row["time_ratio"] = row["step_seconds"] / statistics.median(plain["times"])
@@ -211,6 +239,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--chunk-mib", type=int, default=4, help="CompressedOptimizer chunk_bytes, MiB")
     parser.add_argument("--loss-steps", type=int, default=200)
+    parser.add_argument("--dpcs-fractions", default="0.85,0.7",
+                        help="dpcs@F: the model through dpcs at a budget of F x plain AdamW's peak, states='auto'")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args(argv)
     from rich.console import Console
@@ -231,6 +261,8 @@ def main(argv: list[str] | None = None) -> None:
             if "error" in row:
                 table.add_row(strategy, row["error"], "", "", "", "", "")
                 continue
+            if "budget" in row:
+                strategy = f"{strategy} ({row['budget'] / MiB:.1f} MiB: {row['chosen']})"
             table.add_row(strategy, f"{row['device_peak'] / MiB:.1f}", f"{row.get('optimizer_state_part', 0) / MiB:.1f}",
                           f"{row['optimizer_state_cut']:.1%}" if "optimizer_state_cut" in row else "",
                           f"{row['host'] / MiB:.1f}", f"{row['step_seconds'] * 1e3:.1f}",

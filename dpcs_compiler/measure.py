@@ -57,6 +57,16 @@ _PROFILER_NOISE = re.compile(
 )
 
 
+def optimizer_state_bytes(optimizer: Any) -> int:
+    """Bytes of an optimizer's state on its device: a dpcs `CompressedOptimizer`'s (its host buffers left out),
+    or the distinct storages of a torch optimizer's state tensors (step counts left out)."""
+    state_bytes = getattr(optimizer, "state_bytes", None)
+    if callable(state_bytes):
+        return state_bytes()["device"]
+    return resident_bytes([t for state in optimizer.state.values() for t in state.values()
+                           if isinstance(t, torch.Tensor) and t.dim() > 0])
+
+
 @contextlib.contextmanager
 def quiet_profiler_logs() -> Iterator[None]:
     """Around a profiler's start or stop: drop kineto's progress lines from stderr, pass every other line on.
@@ -221,11 +231,13 @@ def measure_training_step(
     repeats: int = 5,
     device: str | torch.device = "cpu",
     predicted_peak_bytes: int | None = None,
+    held_bytes: int = 0,
 ) -> StepMeasurement:
     """Warm up (compiles), measure one step's peak memory, then time `repeats` steps; median time.
 
     The prediction compared against is `predicted_peak_bytes`, else that of the one training graph the
-    warm-up compiled (None when it compiled none, e.g. already compiled, or several).
+    warm-up compiled (None when it compiled none, e.g. already compiled, or several). `held_bytes`: memory
+    alive through the step that the CPU profiler cannot see (an optimizer's state, allocated before).
     """
     from dpcs_compiler.report import compile_records, records_since
 
@@ -240,7 +252,7 @@ def measure_training_step(
     for _ in range(warmup):
         step()
     model.zero_grad(set_to_none=True)
-    resident = resident_bytes([*model.parameters(), *model.buffers(), *inputs])
+    resident = resident_bytes([*model.parameters(), *model.buffers(), *inputs]) + held_bytes
     _, peak = measure_peak_memory(step, device=device)
     times = []
     for _ in range(repeats):

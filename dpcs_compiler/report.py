@@ -129,9 +129,22 @@ class StepRecord:
     turn_peak_bytes: int | None = None
     shapes: int = 1  # step orders planned for together (a data-dependent branch makes several)
     contexts: dict[str, dict[str, Any] | None] = dataclasses.field(default_factory=dict)
+    parameter_bytes: int = 0  # the step's parameters (counted once)
+    # The optimizers' state counted through the step (in `outside_bytes`): {"bytes", "chosen"}, and when dpcs
+    # chose how the "auto" CompressedOptimizers keep it: "format", "on_host", the seconds it adds, the activation
+    # plan's added seconds, and every option weighed ([lever, bytes, seconds]).
+    optimizer_state: dict[str, Any] | None = None
+
+    def split(self) -> dict[str, int]:
+        """The predicted peak in parts: parameters, optimizer state, other memory alive through the step
+        (gradients of earlier micro-batches, memory measured outside the graphs), activations and gradients."""
+        state = (self.optimizer_state or {}).get("bytes", 0)
+        other = max(0, self.outside_bytes - state)
+        return {"parameters": self.parameter_bytes, "optimizer_state": state, "outside_graphs": other,
+                "activations_and_gradients": self.predicted_peak_bytes - self.parameter_bytes - state - other}
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "split": self.split()}
 
 
 _STEPS: list[StepRecord] = []

@@ -6,9 +6,11 @@
                                  [--telemetry runs/telemetry.jsonl] [--adaptive]
 
 Trains the model through dpcs with a memory budget of `--budget-fraction` times the peak the same step
-measures without a plan (torch's min-cut partition), then prints what dpcs decided for each compiled
-graph (values saved, recomputed, offloaded; budget; predicted peak) and what it saved: measured peak and
-median step time with the budget against without it. `--precision` and `--fp8` apply to both runs
+measures without a plan (torch's min-cut partition; AdamW's fp32 state counted in), with a CompressedOptimizer
+whose state dpcs keeps as it chooses (states="auto"), then prints what dpcs decided for each compiled graph
+(values saved, recomputed, offloaded; budget; predicted peak), how it keeps the optimizer's state, the
+peak's split (parameters, optimizer state, the rest), and what it saved: measured peak and median step time
+with the budget against without it. `--precision` and `--fp8` apply to both runs
 (on a CPU, bf16/fp16/fp8 matmuls are far slower than fp32: use them there to see memory, not speed).
 The plan is costed with the hardware profile DPCS_HARDWARE_PROFILE names ("h100" plans for that GPU from
 here), else this machine's, measured once and cached; the printout names it and each plan's hash.
@@ -31,11 +33,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from dpcs_compiler import Runtime, compile_records
+from dpcs_compiler import CompressedOptimizer, Runtime, compile_records
 from dpcs_compiler.report import describe_step, predicted_step_peak
 from dpcs_compiler.debug.render import format_bytes
 from dpcs_compiler.debug.summary import hardware_lines
-from dpcs_compiler.measure import measure_training_step
+from dpcs_compiler.measure import measure_training_step, optimizer_state_bytes
 from dpcs_compiler.models import workload
 
 
@@ -69,13 +71,17 @@ def main() -> None:
     model = w.model.to(args.device)
     inputs = tuple(x.to(args.device) for x in w.inputs)
 
+    # AdamW's two fp32 moments are alive through every step after the first: counted in the step's peak.
+    adamw_state = 2 * sum(p.numel() * 4 for p in model.parameters())
     unplanned = torch.compile(model, backend="dpcs", options={"compiler": args.compiler, **precision})
-    baseline = measure_training_step(model, unplanned, inputs, loss_fn=w.loss_fn, device=args.device)
+    baseline = measure_training_step(model, unplanned, inputs, loss_fn=w.loss_fn, device=args.device,
+                                     held_bytes=adamw_state)
     budget = int(args.budget_fraction * baseline.measured_peak_bytes)
     console.print(
-        f"without a budget (torch's min-cut partition): measured peak {format_bytes(baseline.measured_peak_bytes)}, "
-        f"median step {baseline.step_seconds * 1e3:.1f} ms; training with memory_budget={budget} B "
-        f"({format_bytes(budget)}, {args.budget_fraction:.0%} of it)"
+        f"without a budget (torch's min-cut partition, AdamW's fp32 state {format_bytes(adamw_state)} included): "
+        f"measured peak {format_bytes(baseline.measured_peak_bytes)}, median step {baseline.step_seconds * 1e3:.1f} "
+        f"ms; training with memory_budget={budget} B ({format_bytes(budget)}, {args.budget_fraction:.0%} of it), "
+        "dpcs choosing how the optimizer keeps its state"
     )
     torch._dynamo.reset()
     from dpcs_compiler import clear_compile_records
@@ -86,7 +92,9 @@ def main() -> None:
         backend="dpcs",
         options={"compiler": args.compiler, "memory_budget": budget, "on_infeasible": "best", **precision},
     )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    # states="auto": dpcs's step planner chooses how AdamW's moments are kept (fp32, bf16, fp16, int8; in host
+    # memory on a GPU), with the activation plan, under the same budget.
+    optimizer = CompressedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3), states="auto")
     runtime = Runtime(model, telemetry=args.telemetry)
 
     start = time.perf_counter()
@@ -112,8 +120,10 @@ def main() -> None:
 
     step = predicted_step_peak()  # the whole step's prediction: one number, with where it happens
     predicted = step.predicted_peak_bytes if step is not None else None
+    state = optimizer_state_bytes(optimizer)
     measured = measure_training_step(
-        model, compiled, inputs, loss_fn=w.loss_fn, device=args.device, predicted_peak_bytes=predicted
+        model, compiled, inputs, loss_fn=w.loss_fn, device=args.device, predicted_peak_bytes=predicted,
+        held_bytes=state,
     )
     table = Table(title="what dpcs decided, per compiled graph")
     columns = ("graph", "mode", "precision", "nodes fwd/bwd", "saved", "recomputed", "offloaded", "budget", "plan",
@@ -139,8 +149,23 @@ def main() -> None:
         f"graphs compiled: {len(compile_records())}; predicted step peak {format_bytes(measured.predicted_peak_bytes)}, "
         f"measured peak {format_bytes(measured.measured_peak_bytes)} "
         f"({'n/a' if error is None else f'{error * 100:+.1f}%'}; budget {format_bytes(budget)}); "
-        f"parameters+inputs {format_bytes(measured.resident_bytes)}; median step {measured.step_seconds * 1e3:.1f} ms"
+        f"parameters, inputs and optimizer state {format_bytes(measured.resident_bytes)}; median step "
+        f"{measured.step_seconds * 1e3:.1f} ms"
     )
+    if step is not None and step.optimizer_state is not None:
+        chosen = step.optimizer_state
+        kept = (f"{chosen['format']}{' in host memory' if chosen.get('on_host') else ''}" if chosen.get("chosen")
+                else "as the optimizer keeps it")
+        split = step.split()
+        parameters = split["parameters"]
+        console.print(
+            f"optimizer state kept {kept}: {format_bytes(state)} (fp32: {format_bytes(adamw_state)}); the step's "
+            f"peak, predicted: parameters {format_bytes(parameters)}, optimizer state "
+            f"{format_bytes(split['optimizer_state'])}, other memory through the step "
+            f"{format_bytes(split['outside_graphs'])}, activations and gradients "
+            f"{format_bytes(split['activations_and_gradients'])}; measured: parameters {format_bytes(parameters)}, "
+            f"optimizer state {format_bytes(state)}, the rest {format_bytes(measured.measured_peak_bytes - parameters - state)}"
+        )
     saved = baseline.measured_peak_bytes - measured.measured_peak_bytes
     console.print(
         f"saved {format_bytes(saved)} of peak memory ({saved / baseline.measured_peak_bytes:.1%}) against no budget, "

@@ -44,10 +44,13 @@ class OptimizerStateShape:
     kept_bytes: int = 0
     block_size: int = 256
     chunk_elements: int = 1 << 24
+    blocks: int | None = None  # scaled blocks of the stored state (blocks never cross a row); None: elements / size
 
     def __post_init__(self) -> None:
-        for name in ("stored_elements", "kept_bytes", "block_size", "chunk_elements"):
+        for name in ("stored_elements", "kept_bytes", "block_size", "chunk_elements", "blocks"):
             value = getattr(self, name)
+            if name == "blocks" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "block_size" else 0):
                 raise ValueError(f"OptimizerStateShape.{name}={value!r} is not valid: an int >= "
                                  f"{1 if name == 'block_size' else 0}")
@@ -65,7 +68,8 @@ class StateRates:
 
 def stored_bytes(shape: OptimizerStateShape, fmt: str) -> int:
     """Bytes of the storable state in format `fmt`: the elements, and one fp32 scale per block when scaled."""
-    scales = 4 * math.ceil(shape.stored_elements / shape.block_size) if fmt in _SCALED else 0
+    blocks = math.ceil(shape.stored_elements / shape.block_size) if shape.blocks is None else shape.blocks
+    scales = 4 * blocks if fmt in _SCALED else 0
     return shape.stored_elements * _ELEMENT_BYTES[fmt] + scales
 
 

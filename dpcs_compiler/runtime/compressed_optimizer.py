@@ -20,12 +20,16 @@ saves them sharded. `decompress_state_dict` turns such a dict into one the plain
 from __future__ import annotations
 
 import copy
+import functools
 import math
+import time
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
+from dpcs_compiler.cost.model_state import OptimizerStateShape, StateLever, StateRates
 from dpcs_compiler.runtime.param_offload import ParameterOffload
 from dpcs_compiler.runtime.state_codec import FORMATS, Encoded, blocks_shape, check_format, decode, encode, region
 
@@ -42,6 +46,10 @@ STATE_SIGNS: dict[type[torch.optim.Optimizer], dict[str, bool]] = {
 }
 _STORED_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.uint8}
 STEPS_KEY = "dpcs_steps"
+AUTO = "auto"
+# Every CompressedOptimizer alive: the step planner counts their state in the step's budget, and chooses how
+# the "auto" ones keep it (`runtime/step.py`).
+INSTANCES: weakref.WeakSet[CompressedOptimizer] = weakref.WeakSet()
 
 
 def supported_optimizers() -> list[str]:
@@ -83,6 +91,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     states: a format for every state tensor of the optimizer (`"int8"`), or a mapping from state name to
         format (`{"exp_avg": "int8", "exp_avg_sq": "fp32"}`); names not in it stay as the optimizer keeps them.
+        `"auto"`: dpcs's step planner chooses one format (and `on_host`) for all of them, with the activation
+        plan, under the compiled model's `memory_budget`; until it has, they are stored int8.
     block_size: columns per scaled block (`int8`, `fp16`).
     warmup_steps: plain steps each parameter takes before its state is compressed.
     min_elements: state tensors with fewer elements stay as they are (biases, norms).
@@ -100,8 +110,13 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if signs is None:
             raise TypeError(f"CompressedOptimizer wraps {', '.join(supported_optimizers())}; "
                             f"got {type(optimizer).__name__}")
-        if isinstance(states, str):
-            policy = {name: check_format(states, "states") for name in signs}
+        self.auto = states == AUTO
+        if self.auto:
+            policy = dict.fromkeys(signs, "int8")  # the most compact on the device, until the planner chooses
+        elif isinstance(states, str):
+            if states not in FORMATS:
+                raise ValueError(f"states={states!r} is not a state format; valid: {', '.join(FORMATS)}, or 'auto'")
+            policy = dict.fromkeys(signs, states)
         elif isinstance(states, Mapping):
             unknown = sorted(set(states) - set(signs))
             if unknown:
@@ -134,6 +149,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         # Share the wrapped optimizer's groups and state: schedulers, zero_grad and hooks see one optimizer.
         super().__setstate__({"defaults": optimizer.defaults, "state": optimizer.state,
                               "param_groups": optimizer.param_groups})
+        INSTANCES.add(self)
 
     def __repr__(self) -> str:
         return f"CompressedOptimizer({type(self.inner).__name__}, states={self.policy}, on_host={self.on_host})"
@@ -276,7 +292,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         state = self.state.get(param)
         if not state:
             return
-        device = _local(param).device
+        device = _local(self._live(param)).device
         for name, value in state.items():
             if isinstance(value, Encoded):
                 state[name] = _like_param(decode(value, device), param)
@@ -340,6 +356,63 @@ class CompressedOptimizer(torch.optim.Optimizer):
             for param in group["params"]:
                 self._steps[param] = max(self._steps.get(param, 0), self.warmup_steps)
                 self._store(param)
+
+    # ---- levers (the step planner's, for states="auto")
+
+    def lever(self) -> StateLever | None:
+        """How the stored states are kept, when one format holds for all of them."""
+        formats = set(self.policy.values())
+        return StateLever(formats.pop(), self.on_host) if len(formats) == 1 else None
+
+    def use(self, lever: StateLever) -> None:
+        """Keep every storable state as `lever` says, from now on: states already there are stored again at
+        once (between steps), one parameter at a time."""
+        if lever == self.lever():
+            return
+        self.policy = dict.fromkeys(self.policy, lever.format)
+        self.on_host = lever.on_host
+        for param in [p for group in self.param_groups for p in group["params"]]:
+            if self.state.get(param):
+                self._materialize(param)
+                self._store(param)
+        self._held = {key: held for key, held in self._held.items() if self.state.get(key[0], {}).get(key[1]) is held}
+
+    def _stored_names(self, group: Mapping[str, Any]) -> list[str]:
+        """The storable states the wrapped optimizer keeps per parameter of `group`, as its options make them."""
+        kind = type(self.inner)
+        if kind in (torch.optim.Adam, torch.optim.AdamW):
+            names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group.get("amsgrad") else [])
+        elif kind is torch.optim.SGD:
+            names = ["momentum_buffer"] if group.get("momentum", 0) else []
+        elif kind is torch.optim.RMSprop:
+            names = (["square_avg"] + (["momentum_buffer"] if group.get("momentum", 0) else [])
+                     + (["grad_avg"] if group.get("centered") else []))
+        else:
+            names = ["sum"]
+        return [n for n in names if n in self.policy]
+
+    def state_shape(self) -> OptimizerStateShape:
+        """This optimizer's state in counts (`cost/model_state.py`), from its parameters and options: what a
+        lever may store, and what stays as it is."""
+        stored = kept = blocks = 0
+        counted = type(self.inner) in (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad)
+        for group in self.param_groups:
+            names = self._stored_names(group)
+            for param in group["params"]:
+                local = _local(param)
+                kept += 4 if counted else 0  # the step count, a float32 scalar per parameter
+                if local.numel() >= self.min_elements and param.dim() >= 1 and _blocks_follow_placement(param):
+                    stored += local.numel() * len(names)
+                    rows, per_row = blocks_shape(tuple(local.shape), self.block_size)
+                    blocks += rows * per_row * len(names)
+                else:
+                    kept += local.numel() * param.element_size() * len(names)
+        return OptimizerStateShape(stored, kept, self.block_size, max(1, self.chunk_bytes // 4), blocks)
+
+    def device(self) -> torch.device:
+        """Where the optimizer's parameters are used (the first parameter's device)."""
+        first = next((p for group in self.param_groups for p in group["params"]), None)
+        return _local(first).device if first is not None else torch.device("cpu")
 
     # ---- what the state takes
 
@@ -464,3 +537,34 @@ def decompress_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
                 state[key][name] = value
     out["state"] = state
     return out
+
+
+@functools.cache
+def measured_state_rates(device: str) -> StateRates:
+    """Seconds per element to encode and decode each format on `device`, and its host link's bytes per second
+    (None on CPU, where the host is the device's memory): timed once per process on 2**18 elements."""
+    values = torch.randn(1 << 18, device=device)
+
+    def seconds(fn) -> float:
+        fn()  # warm
+        times = []
+        for _ in range(3):
+            if values.is_cuda:
+                torch.cuda.synchronize(values.device)
+            start = time.perf_counter()
+            fn()
+            if values.is_cuda:
+                torch.cuda.synchronize(values.device)
+            times.append(time.perf_counter() - start)
+        return sorted(times)[1] / values.numel()
+
+    encode_seconds, decode_seconds = {}, {}
+    for fmt in FORMATS:
+        encoded = encode(values, fmt)
+        encode_seconds[fmt] = seconds(lambda: encode(values, fmt, out=encoded))
+        decode_seconds[fmt] = seconds(lambda: decode(encoded))
+    link = None
+    if values.is_cuda:
+        host = torch.empty(values.numel(), pin_memory=True)
+        link = values.nbytes / seconds(lambda: values.copy_(host, non_blocking=True)) / values.numel()
+    return StateRates(encode_seconds, decode_seconds, link)

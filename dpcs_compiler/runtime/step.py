@@ -54,9 +54,13 @@ from dpcs_compiler.cost.step_model import (
     predicted_levels,
 )
 from dpcs_compiler.debug.render import format_bytes
-from dpcs_compiler.measure import BEFORE_PROFILING, CpuMemoryProfile
+from dpcs_compiler.measure import BEFORE_PROFILING, CpuMemoryProfile, optimizer_state_bytes
 from dpcs_compiler.report import _ON_CLEAR, STEPS_FILE, StepRecord, add_step_record
+from dpcs_compiler.cost.memory_model import plan_seconds
+from dpcs_compiler.cost.model_state import StateLever, added_seconds, device_bytes, levers
+from dpcs_compiler.runtime.compressed_optimizer import INSTANCES, CompressedOptimizer, measured_state_rates
 from dpcs_compiler.solve import solved_decisions
+from dpcs_compiler.solve.model_state import StepWithState, choose_state_lever
 from dpcs_compiler.stages.job import BudgetInfeasibleError, describe_budget
 
 if TYPE_CHECKING:
@@ -117,6 +121,7 @@ class StepRecorder:
         self.verify_in: int | None = None
         self.meter: _Meter | None = None
         self.predicted: tuple[int, int] | None = None  # (peak outside the step's turn, at its turn), planned
+        self.predicted_state_bytes = 0  # the optimizers' state that prediction counts
         self.measuring = False  # this step is measured (every rank alike; `meter` None where it cannot be)
         self.due: tuple[_Meter | None, tuple | None] | None = None  # a measured step waiting to be read
         self.due_hook: Any = None  # the optimizer step pre-hook that reads it
@@ -126,6 +131,11 @@ class StepRecorder:
         self.quiet = 0
         self.to_plan = False
         self.plans = 0
+        # Optimizers whose parameters the step's graphs take (their state is alive through the step), and the
+        # bytes of their state the last plan counted.
+        self.optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self.planned_state_bytes = 0
+        self.planned_optimizers: set[int] = set()
 
     # -- watching ------------------------------------------------------------------------------------------
     def arm(self, dispatcher: GraphDispatcher | None = None) -> None:
@@ -210,6 +220,12 @@ class StepRecorder:
             inputs[storage.data_ptr()] = storage.nbytes()
             if i in held_inputs:
                 held[storage.data_ptr()] = storage.nbytes()
+        # The optimizers of this step's parameters: their state is alive through it.
+        found = _optimizers_of(parameters)
+        if not self.calls:
+            self.optimizers = weakref.WeakSet(found)
+        else:
+            self.optimizers.update(found)
         out = dispatcher._fn(*args)
         leaves = pytree.tree_leaves(out)
         node = next((t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
@@ -260,8 +276,12 @@ class StepRecorder:
             self.verify_in -= 1
         if measuring:
             # Read outside the backward (`finish_reading`): at the next call, the optimizer's step, or a measure.
-            baseline = shape.parameter_bytes + shape.outside_bytes + sum(calls[0].inputs.values())
-            self._due(meter, (key, shape, refs, baseline))
+            # The optimizers' state is alive through the step: the prediction counted `predicted_state_bytes` of
+            # it; what it holds beyond (made by a first optimizer step since) is planned for anyway (`grown`), so
+            # it is left out of the reading, not counted again as memory outside the graphs.
+            state = _state_bytes(self.optimizers)
+            baseline = shape.parameter_bytes + shape.outside_bytes + sum(calls[0].inputs.values()) + state
+            self._due(meter, (key, shape, refs, baseline, max(0, state - self.predicted_state_bytes)))
             return
         self._settle(key, shape, refs, None)
 
@@ -290,13 +310,15 @@ class StepRecorder:
             return
         meter, step = due
         reading = meter.read(step[3]) if meter is not None and step is not None else None
+        if reading is not None:
+            reading = (reading[0] - step[4], reading[1] - step[4])
         if meter is not None:
             meter.discard()
         if self._ranks_agree():
             readings = [r for r in rank_agreement.every_rank(reading) if r is not None]
             reading = (max(r[0] for r in readings), max(r[1] for r in readings)) if readings else None
         if step is not None:
-            key, shape, refs, _ = step
+            key, shape, refs, _, _ = step
             self._settle(key, shape, refs, reading)
 
     def _settle(self, key: tuple, shape: StepShape, refs: list, measured: tuple[int, int] | None) -> None:
@@ -311,9 +333,14 @@ class StepRecorder:
         if measured is not None and self.predicted is not None:
             self._correct(key, shape, measured, refs)
             corrected = self.to_plan
-        known = self.shapes[key][0] if key in self.shapes else None
+        # Known only for the same graphs (a new compile may reuse the names of graphs gone).
+        same = key in self.shapes and [r() for r in self.shapes[key][1]] == [r() for r in refs]
+        known = self.shapes[key][0] if same else None
         covered = _covering(known, shape) if known is not None else shape
-        new = covered != known and not corrected
+        # Other optimizers than the last plan's, or their state made by a first step (or grown) since: planned for.
+        grown = ({id(o) for o in self.optimizers} != self.planned_optimizers
+                 or _state_bytes(self.optimizers) > self.planned_state_bytes + CORRECTION_MIN_BYTES)
+        new = (covered != known or grown) and not corrected
         if self._ranks_agree():
             # Whether a step needs planning is decided by every rank alike (planning takes collectives): a
             # figure read from storages (which inputs an earlier call holds) can differ between ranks.
@@ -454,8 +481,10 @@ class StepRecorder:
         # In a distributed job rank 0 plans and every rank applies its plan (the ranks run the same graphs).
         agreeing = rank_agreement.world() is not None and all(d.options.rank_agreement for d in dispatchers.values())
 
+        optimizers = list(self.optimizers)
+
         def decide() -> tuple[StepRecord | None, str | None]:
-            return self._decide(shapes, dispatchers)
+            return self._decide(shapes, dispatchers, optimizers)
 
         record, message = rank_agreement.from_rank_zero(decide, "step plan") if agreeing else decide()
         self.plans += 1
@@ -472,8 +501,16 @@ class StepRecorder:
                 g, decisions = graph
                 levels = {only.name: GraphLevels.of(g.problem, decisions)}
                 self.verify_in, self.predicted = 0, predicted_levels(shapes, {only.name: g}, levels)
+                self.predicted_state_bytes = 0
             return None
         add_step_record(record)
+        if record.optimizer_state is not None and record.optimizer_state.get("chosen"):
+            lever = StateLever(record.optimizer_state["format"], record.optimizer_state["on_host"])
+            for optimizer in optimizers:  # every rank its own, as rank 0's plan says
+                if isinstance(optimizer, CompressedOptimizer) and optimizer.auto:
+                    optimizer.use(lever)
+        self.planned_state_bytes = _state_bytes(optimizers)
+        self.planned_optimizers = {id(o) for o in optimizers}
         for root in {d.options.dump_dir for d in dispatchers.values() if d.options.dump_dir is not None}:
             root.mkdir(parents=True, exist_ok=True)
             with open(root / STEPS_FILE, "a") as f:
@@ -492,10 +529,12 @@ class StepRecorder:
                 d.set_step_context(StepContext.parse(record.contexts.get(name)))
         # Measure the step after the next one (the next compiles the new variants) against the prediction.
         self.verify_in, self.predicted = 1, (record.graphs_peak_bytes, record.turn_peak_bytes)
+        self.predicted_state_bytes = (record.optimizer_state or {}).get("bytes", 0)
         return record
 
     @staticmethod
-    def _decide(shapes: list[StepShape], dispatchers: dict[str, GraphDispatcher]) -> tuple[StepRecord | None, str | None]:
+    def _decide(shapes: list[StepShape], dispatchers: dict[str, GraphDispatcher],
+                optimizers: Sequence[torch.optim.Optimizer] = ()) -> tuple[StepRecord | None, str | None]:
         """The step plan as a record, and the error message when no plan fits (None when it does)."""
         graphs: dict[str, GraphStep] = {}
         current: dict[str, tuple[str, ...]] = {}
@@ -510,7 +549,7 @@ class StepRecorder:
                 return None, None
             graphs[name], current[name] = step_graph
         settled = not any(d.bucket in d.provisional for d in dispatchers.values())
-        plan = plan_step(shapes, graphs, current, solved_decisions, settled)
+        shapes, plan, state = _plan_with_optimizer_state(shapes, graphs, current, settled, optimizers)
         if plan.alone:
             return None, None  # one graph: its own plan is the step's (its compile raised or warned already)
         budget = min(int(d.current_budget_bytes or 0) for d in dispatchers.values()) or None
@@ -535,6 +574,8 @@ class StepRecorder:
             turn_peak_bytes=turn_peak,
             shapes=len(shapes),
             contexts={k: (c.to_json() if c else None) for k, c in plan.contexts.items()},
+            parameter_bytes=max(s.parameter_bytes for s in shapes),
+            optimizer_state=state,
         )
         if plan.feasible:
             return record, None
@@ -544,6 +585,7 @@ class StepRecorder:
             f"({', '.join(_counted(record.calls))}): the smallest step peak dpcs can reach is "
             f"{format_bytes(peak.bytes)} ({peak.bytes} B), {_where(peak.phase, peak.graph, peak_node)}; "
             f"{holds_most} holds the most for its backward while the others run ({format_bytes(held)})"
+            f"{_split(record)}"
         )
         return record, message
 
@@ -716,3 +758,91 @@ def _counted(calls: Sequence[str]) -> list[str]:
 STEPS = StepRecorder()
 _ON_CLEAR.append(STEPS.reset)
 BEFORE_PROFILING.append(STEPS.finish_reading)
+
+
+def _optimizers_of(parameters: dict[int, int]) -> list[torch.optim.Optimizer]:
+    """The optimizers (CompressedOptimizers, and torch optimizers seen stepping) that step some of these
+    parameters (by storage)."""
+    _watch_optimizers()
+    found = []
+    for optimizer in [*INSTANCES, *_STEPPED]:
+        if any(p.untyped_storage().data_ptr() in parameters for g in optimizer.param_groups for p in g["params"]
+               if p.untyped_storage().nbytes()):
+            found.append(optimizer)
+    return found
+
+
+def _state_bytes(optimizers: Any) -> int:
+    """Bytes of the optimizers' state on the device, as it is now."""
+    return sum(optimizer_state_bytes(optimizer) for optimizer in list(optimizers))
+
+
+# torch optimizers seen stepping (their state exists from their first step on); CompressedOptimizers register
+# themselves when made.
+_STEPPED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+_WATCHING: list[Any] = []
+
+
+def _watch_optimizers() -> None:
+    if _WATCHING:
+        return
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    def stepped(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        if not isinstance(optimizer, CompressedOptimizer) and not any(optimizer is c.inner for c in INSTANCES):
+            _STEPPED.add(optimizer)
+
+    _WATCHING.append(register_optimizer_step_post_hook(stepped))
+
+
+def _plan_with_optimizer_state(
+    shapes: list[StepShape], graphs: dict[str, GraphStep], current: dict[str, tuple[str, ...]], settled: bool,
+    optimizers: Sequence[torch.optim.Optimizer],
+) -> tuple[list[StepShape], Any, dict[str, Any] | None]:
+    """The step plan with the optimizers' state alive through the step, and how the "auto" CompressedOptimizers
+    keep theirs: the lever (`cost/model_state.py`) whose added time plus the activation plan's is least
+    (`solve/model_state.py`). Returns the shapes as planned (their outside bytes count the state), the plan,
+    and what was chosen (None without optimizers)."""
+    if not optimizers:
+        return shapes, plan_step(shapes, graphs, current, solved_decisions, settled), None
+    auto = [o for o in optimizers if isinstance(o, CompressedOptimizer) and o.auto]
+    fixed = _state_bytes([o for o in optimizers if o not in auto])
+    plans: dict[int, tuple[list[StepShape], Any]] = {}
+
+    def plan_with(state_bytes: int) -> StepWithState:
+        counted = [dataclasses.replace(s, outside_bytes=s.outside_bytes + fixed + state_bytes) for s in shapes]
+        plan = plan_step(counted, graphs, current, solved_decisions, settled)
+        plans[state_bytes] = (counted, plan)
+        seconds = sum(plan_seconds(graphs[k].problem, plan.decisions[k]) for k in counted[plan.peak.shape].instances)
+        return StepWithState(plan.feasible, seconds, plan.peak.bytes)
+
+    if not auto:
+        plan_with(0)
+        counted, plan = plans[0]
+        return counted, plan, {"chosen": False, "bytes": fixed}
+    device = auto[0].device()
+    rates = measured_state_rates(str(device))
+    options = []
+    for lever in levers(host_is_device=device.type == "cpu"):
+        counts = [o.state_shape() for o in auto]
+        options.append((lever, sum(device_bytes(c, lever) for c in counts),
+                        sum(added_seconds(c, lever, rates) for c in counts)))
+    choice = choose_state_lever(options, plan_with)
+    counted, plan = plans[choice.state_bytes]
+    return counted, plan, {
+        "chosen": True, "format": choice.lever.format, "on_host": choice.lever.on_host,
+        "bytes": fixed + choice.state_bytes, "seconds": choice.state_seconds,
+        "activation_seconds": choice.step.activation_seconds,
+        "options": [[lever.describe(), nbytes, seconds] for lever, nbytes, seconds in options],
+    }
+
+
+def _split(record: StepRecord) -> str:
+    """The predicted peak's parts, for a message."""
+    parts = record.split()
+    lever = record.optimizer_state or {}
+    kept = f" kept {lever['format']}{' in host memory' if lever.get('on_host') else ''}" if lever.get("chosen") else ""
+    return (f"; of it: parameters {format_bytes(parts['parameters'])}, optimizer state{kept} "
+            f"{format_bytes(parts['optimizer_state'])}, other memory alive through the step "
+            f"{format_bytes(parts['outside_graphs'])}, activations and gradients "
+            f"{format_bytes(parts['activations_and_gradients'])}")
