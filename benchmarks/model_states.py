@@ -158,8 +158,7 @@ def measure_model(name: str, strategies: list[str], args: argparse.Namespace) ->
         run["predicted_forward_backward_peak"] = record.predicted_peak_bytes if record else None
         run["feasible"] = record.feasible if record else None
         runs[f"dpcs@{fraction}"] = run
-        torch._dynamo.reset()
-    timed = [s for s in strategies if "step" in runs[s]]
+    timed = [s for s in runs if "step" in runs[s]]
     for _ in range(args.steps):  # interleaved round-robin
         for strategy in timed:
             start = time.perf_counter()

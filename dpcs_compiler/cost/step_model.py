@@ -335,6 +335,7 @@ def plan_step(
     current: Mapping[str, tuple[str, ...]],
     solver: Solver,
     settled: bool = True,
+    find_lowest: bool = True,
 ) -> StepPlan:
     """Contexts under which every graph of the step has a plan and the step's peak fits, in every step shape
     seen (a data-dependent branch can make steps of different graphs).
@@ -359,6 +360,8 @@ def plan_step(
     found = search.at(target)
     if found is not None:
         return dataclasses.replace(found, solves=search.solves)
+    if not find_lowest:  # only whether it fits (`find_lowest` False): the bisection below is the costly part
+        return StepPlan(dict.fromkeys(graphs), dict(current), levels, peak, False, None, search.solves)
     # No plan fits: the smallest step peak reachable, by bisection on the target between the budget and the
     # step peak of plans that save everything (a bound that does not depend on the plans compiled first, so
     # the same step finds the same plan at every budget below it), so the error names it and

@@ -809,15 +809,15 @@ def _plan_with_optimizer_state(
     fixed = _state_bytes([o for o in optimizers if o not in auto])
     plans: dict[int, tuple[list[StepShape], Any]] = {}
 
-    def plan_with(state_bytes: int) -> StepWithState:
+    def plan_with(state_bytes: int, find_lowest: bool = False) -> StepWithState:
         counted = [dataclasses.replace(s, outside_bytes=s.outside_bytes + fixed + state_bytes) for s in shapes]
-        plan = plan_step(counted, graphs, current, solved_decisions, settled)
+        plan = plan_step(counted, graphs, current, solved_decisions, settled, find_lowest)
         plans[state_bytes] = (counted, plan)
         seconds = sum(plan_seconds(graphs[k].problem, plan.decisions[k]) for k in counted[plan.peak.shape].instances)
         return StepWithState(plan.feasible, seconds, plan.peak.bytes)
 
     if not auto:
-        plan_with(0)
+        plan_with(0, find_lowest=True)
         counted, plan = plans[0]
         return counted, plan, {"chosen": False, "bytes": fixed}
     device = auto[0].device()
@@ -828,6 +828,8 @@ def _plan_with_optimizer_state(
         options.append((lever, sum(device_bytes(c, lever) for c in counts),
                         sum(added_seconds(c, lever, rates) for c in counts)))
     choice = choose_state_lever(options, plan_with)
+    if not choice.step.feasible:
+        plan_with(choice.state_bytes, find_lowest=True)  # the plans of the smallest step peak, for the message
     counted, plan = plans[choice.state_bytes]
     return counted, plan, {
         "chosen": True, "format": choice.lever.format, "on_host": choice.lever.on_host,

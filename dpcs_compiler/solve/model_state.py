@@ -34,19 +34,27 @@ def choose_state_lever(options: Sequence[tuple[StateLever, int, float]],
                        plan_with: Callable[[int], StepWithState]) -> LeverChoice:
     """Of `options` (lever, its state bytes on the device, the seconds it adds), the one whose step fits with the
     least added time in all (the lever's and the activation plan's, `plan_with(state bytes)`); if none fits,
-    the one whose step reaches the lowest peak. Levers are tried cheapest first and the search stops once a
-    lever alone costs more than the best total found (activation plans only add time)."""
+    the one with the fewest bytes (its step reaches the lowest peak).
+
+    A step that does not fit with some state bytes fits with no more (what is alive through the step only
+    adds): the fewest bytes are tried first, and no option with as many bytes as one that did not fit is
+    tried. Then levers go cheapest first, until one alone costs more than the best total found (activation
+    plans only add time)."""
     if not options:
         raise ValueError("no state lever to choose from")
-    best: LeverChoice | None = None
-    lowest: LeverChoice | None = None
+    fewest = min(options, key=lambda o: (o[1], o[2]))
+    best = LeverChoice(fewest[0], fewest[1], fewest[2], plan_with(fewest[1]))
+    if not best.step.feasible:
+        return best
+    does_not_fit = None
     for lever, nbytes, seconds in sorted(options, key=lambda o: (o[2], o[1])):
-        if best is not None and seconds >= best.seconds:
+        if seconds >= best.seconds:
             break
+        if lever == fewest[0] or (does_not_fit is not None and nbytes >= does_not_fit):
+            continue
         choice = LeverChoice(lever, nbytes, seconds, plan_with(nbytes))
-        if choice.step.feasible and (best is None or choice.seconds < best.seconds):
+        if not choice.step.feasible:
+            does_not_fit = nbytes if does_not_fit is None else min(does_not_fit, nbytes)
+        elif choice.seconds < best.seconds:
             best = choice
-        if lowest is None or choice.step.peak_bytes < lowest.step.peak_bytes:
-            lowest = choice
-    assert lowest is not None
-    return best if best is not None else lowest
+    return best

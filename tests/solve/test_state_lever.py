@@ -30,14 +30,14 @@ def activation_plans(floor: int, budget: int, seconds_per_byte: float):
 def test_plain_state_when_it_fits():
     plan_with, asked = activation_plans(floor=1000, budget=2000, seconds_per_byte=1e-4)
     choice = choose_state_lever(OPTIONS, plan_with)
-    assert choice.lever == StateLever() and choice.seconds == 0 and asked == [800]
+    assert choice.lever == StateLever() and choice.seconds == 0 and asked == [10, 800]
 
 
 def test_compressing_state_beats_recomputing_when_it_costs_less():
     plan_with, asked = activation_plans(floor=1000, budget=1500, seconds_per_byte=1e-4)
     choice = choose_state_lever(OPTIONS, plan_with)  # fp32: 300 B to recompute, 0.03 s; fp16 fits for 0.01 s
     assert choice.lever == StateLever("fp16") and choice.seconds == pytest.approx(0.010)
-    assert asked == [800, 410]  # int8 alone costs more than fp16 in all: not tried
+    assert asked == [10, 800, 410]  # the fewest bytes first; int8 alone costs more than fp16 in all: not tried
 
 
 def test_recomputing_beats_compressing_when_it_costs_less():
@@ -56,7 +56,14 @@ def test_nothing_fits_gives_the_lowest_peak():
     plan_with, asked = activation_plans(floor=1000, budget=400, seconds_per_byte=1e-6)
     choice = choose_state_lever(OPTIONS, plan_with)
     assert not choice.step.feasible and choice.lever == StateLever("int8", True) and choice.step.peak_bytes == 510
-    assert len(asked) == 4
+    assert asked == [10], "nothing fits with the fewest bytes: nothing with more is tried"
+
+
+def test_options_with_as_many_bytes_as_one_that_did_not_fit_are_not_tried():
+    plan_with, asked = activation_plans(floor=1000, budget=1000, seconds_per_byte=1e-9)
+    choice = choose_state_lever(OPTIONS + [(StateLever("bf16"), 900, 0.005)], plan_with)
+    # fp32 (800 B) does not fit, so neither would bf16 (900 B, cheaper than fp16): not tried; fp16 fits
+    assert choice.lever == StateLever("fp16") and asked == [10, 800, 410]
 
 
 def test_no_options_is_an_error():
