@@ -134,8 +134,7 @@ class StepRecorder:
         # Optimizers whose parameters the step's graphs take (their state is alive through the step), and the
         # bytes of their state the last plan counted.
         self.optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-        self.planned_state_bytes = 0
-        self.planned_optimizers: set[int] = set()
+        self.planned_state: dict[tuple, tuple[set[int], int]] = {}  # step key -> (optimizers, state bytes) planned
 
     # -- watching ------------------------------------------------------------------------------------------
     def arm(self, dispatcher: GraphDispatcher | None = None) -> None:
@@ -337,9 +336,11 @@ class StepRecorder:
         same = key in self.shapes and [r() for r in self.shapes[key][1]] == [r() for r in refs]
         known = self.shapes[key][0] if same else None
         covered = _covering(known, shape) if known is not None else shape
-        # Other optimizers than the last plan's, or their state made by a first step (or grown) since: planned for.
-        grown = ({id(o) for o in self.optimizers} != self.planned_optimizers
-                 or _state_bytes(self.optimizers) > self.planned_state_bytes + CORRECTION_MIN_BYTES)
+        # Other optimizers than this step's plan counted, or their state made by a first step (or grown) since:
+        # planned for.
+        planned_ids, planned_bytes = self.planned_state.get(key, (None, 0))
+        grown = ({id(o) for o in self.optimizers} != planned_ids
+                 or _state_bytes(self.optimizers) > planned_bytes + CORRECTION_MIN_BYTES)
         new = (covered != known or grown) and not corrected
         if self._ranks_agree():
             # Whether a step needs planning is decided by every rank alike (planning takes collectives): a
@@ -454,27 +455,28 @@ class StepRecorder:
         """Plan the step shapes seen with the latest one (those sharing a graph with it, at its sizes) for one
         budget, and switch the graphs whose plans change."""
         self.to_plan = False
-        candidates: list[tuple[StepShape, list[GraphDispatcher]]] = []
+        candidates: list[tuple[tuple, StepShape, list[GraphDispatcher]]] = []
         for key, (shape, refs) in list(self.shapes.items()):
             alive = [r() for r in refs]
             if any(d is None for d in alive):  # a graph of this shape is gone (recompiled): the shape is stale
                 del self.shapes[key]
                 continue
             if key == self.latest_key or key[1] == self.latest:  # other sizes: each bucket its own plans
-                candidates.append((shape, alive))
+                candidates.append((key, shape, alive))
         # Steps of other models (no graph in common with the latest step's) are not this step's.
         names = set(self.latest_key[0])
         grown = True
         while grown:
             grown = False
-            for shape, _ in candidates:
+            for _, shape, _ in candidates:
                 if names & set(shape.instances) and not set(shape.instances) <= names:
                     names |= set(shape.instances)
                     grown = True
-        shapes, dispatchers = [], {}
-        for shape, alive in candidates:
+        shapes, dispatchers, planned = [], {}, []
+        for key, shape, alive in candidates:
             if set(shape.instances) <= names:
                 shapes.append(shape)
+                planned.append(key)
                 dispatchers.update({d.name: d for d in alive})
         if not shapes:
             return None
@@ -488,6 +490,8 @@ class StepRecorder:
 
         record, message = rank_agreement.from_rank_zero(decide, "step plan") if agreeing else decide()
         self.plans += 1
+        if record is None or record.optimizer_state is None or not record.optimizer_state.get("chosen"):
+            self._note_planned(planned, optimizers)
         if record is None:
             (only,) = dispatchers.values() if len(dispatchers) == 1 else (None,)
             graph = only.step_graph() if only is not None else None
@@ -509,8 +513,7 @@ class StepRecorder:
             for optimizer in optimizers:  # every rank its own, as rank 0's plan says
                 if isinstance(optimizer, CompressedOptimizer) and optimizer.auto:
                     optimizer.use(lever)
-        self.planned_state_bytes = _state_bytes(optimizers)
-        self.planned_optimizers = {id(o) for o in optimizers}
+            self._note_planned(planned, optimizers)  # as they keep their state now
         for root in {d.options.dump_dir for d in dispatchers.values() if d.options.dump_dir is not None}:
             root.mkdir(parents=True, exist_ok=True)
             with open(root / STEPS_FILE, "a") as f:
@@ -531,6 +534,10 @@ class StepRecorder:
         self.verify_in, self.predicted = 1, (record.graphs_peak_bytes, record.turn_peak_bytes)
         self.predicted_state_bytes = (record.optimizer_state or {}).get("bytes", 0)
         return record
+
+    def _note_planned(self, keys: list[tuple], optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        for key in keys:
+            self.planned_state[key] = ({id(o) for o in optimizers}, _state_bytes(optimizers))
 
     @staticmethod
     def _decide(shapes: list[StepShape], dispatchers: dict[str, GraphDispatcher],
