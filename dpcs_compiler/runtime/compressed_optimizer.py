@@ -144,7 +144,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.chunk_bytes = chunk_bytes
         self.offload = offload
         self._steps: dict[torch.Tensor, int] = {}
-        self._held: dict[tuple[torch.Tensor, str], Encoded] = {}  # stored buffers, reused step to step
+        # Stored buffers, reused step to step: (id of the parameter, state name) -> its stored state. (Ids, not
+        # the tensors: a tuple key compares its items with == when hashes collide.)
+        self._held: dict[tuple[int, str], Encoded] = {}
         self._pending_copies: list[Any] = []
         # Share the wrapped optimizer's groups and state: schedulers, zero_grad and hooks see one optimizer.
         super().__setstate__({"defaults": optimizer.defaults, "state": optimizer.state,
@@ -313,12 +315,12 @@ class CompressedOptimizer(torch.optim.Optimizer):
             if not self._compressible(param, value) or (fmt == "fp32" and not self.on_host):
                 continue
             local = _local(value)
-            held = self._held.get((param, name))
+            held = self._held.get((id(param), name))
             if self.on_host and local.device.type != "cpu":
                 encoded = self._to_host(encode(local, fmt, block_size=self.block_size, signed=self.signs[name]), held)
             else:  # stored where it is: in the buffers it had, so the state keeps its memory step to step
                 encoded = encode(local, fmt, block_size=self.block_size, signed=self.signs[name], out=held)
-            self._held[(param, name)] = state[name] = encoded
+            self._held[(id(param), name)] = state[name] = encoded
 
     def _to_host(self, encoded: Encoded, held: Encoded | None) -> Encoded:
         """`encoded` copied into pinned host buffers (`held`'s when they fit); the copy is waited for before the
@@ -375,7 +377,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
             if self.state.get(param):
                 self._materialize(param)
                 self._store(param)
-        self._held = {key: held for key, held in self._held.items() if self.state.get(key[0], {}).get(key[1]) is held}
+        params = {id(p): p for group in self.param_groups for p in group["params"]}
+        self._held = {key: held for key, held in self._held.items()
+                      if key[0] in params and self.state.get(params[key[0]], {}).get(key[1]) is held}
 
     def _stored_names(self, group: Mapping[str, Any]) -> list[str]:
         """The storable states the wrapped optimizer keeps per parameter of `group`, as its options make them."""
@@ -483,7 +487,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             encoded = _imported(param, name, value, "cpu" if self.on_host else _local(self._live(param)).device)
             if self.on_host and _local(param).is_cuda:
                 encoded = self._to_host(encoded, None)  # pinned
-            self._held[(param, name)] = self.state[param][name] = encoded
+            self._held[(id(param), name)] = self.state[param][name] = encoded
 
     def close(self) -> None:
         """Lets go of the host buffers (and their pinned memory) now, not at garbage collection."""

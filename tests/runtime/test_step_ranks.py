@@ -65,8 +65,10 @@ def test_fsdp2_blocks_count_their_gathered_parameters_and_hold_the_step_budget(t
         assert rank["measured_peak"] <= FSDP_BUDGET
         # FSDP2's collectives in flight beside the running block depend on the ranks' timing: over 20 runs the
         # same plan (34.7 MB predicted) measured 31.5 to 37.8 MB, in steps of one block's gather (2.1 MB).
-        # The prediction is not a bound here (README, limits); the budget held in every run.
-        assert 0.85 * rank["measured_peak"] <= record["predicted_peak_bytes"] <= 1.15 * rank["measured_peak"]
+        # The prediction is not a bound here (README, limits); the budget held in every run. A step measured at
+        # the top of that range is counted and planned again (37.8 MB predicted), and the step measured after it
+        # can be at the bottom (31.5 MB: 1.2x; seen once in CI).
+        assert 0.85 * rank["measured_peak"] <= record["predicted_peak_bytes"] <= 1.25 * rank["measured_peak"]
     assert zero["steps"] == one["steps"] and zero["plan_hashes"] == one["plan_hashes"]
     torch.manual_seed(0)
     model = LayerNormStack()
