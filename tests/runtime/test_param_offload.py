@@ -62,12 +62,14 @@ def offloaded(net: Stack, blocks=(1, 2), **options):
     return offload, CompressedOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2), offload=offload, **options)
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "dpcs"])
+@pytest.mark.parametrize("compiled", [None, {}, {"memory_budget": 10_000_000}], ids=["eager", "dpcs", "dpcs-budget"])
 def test_offloaded_training_is_plain_adamw_bit_for_bit(compiled):
+    """50 steps; through dpcs the step's loop over blocks runs eagerly around one graph per block, and with a
+    budget the step planner plans those graphs (and counts the optimizer's state) as one step."""
     plain_net, net = stack(), stack()
     plain = torch.optim.AdamW(plain_net.parameters(), lr=1e-2)
     offload, optimizer = offloaded(net, states="fp32")
-    run = (lambda m: dpcs_compile(m)) if compiled else (lambda m: m)
+    run = (lambda m: dpcs_compile(m, **compiled)) if compiled is not None else (lambda m: m)
     assert train(run(plain_net), plain, 50) == train(run(net), optimizer, 50)
     expected, got = plain_net.state_dict(), net.state_dict()
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
@@ -75,10 +77,24 @@ def test_offloaded_training_is_plain_adamw_bit_for_bit(compiled):
     state_bytes = optimizer.state_bytes()
     block_state = sum(p.numel() * 4 * 2 for block in net.blocks[1:3] for p in block.parameters())
     assert state_bytes["host"] >= block_state  # the offloaded blocks' moments live with them on the host
-    if compiled:
+    if compiled is not None:
         from dpcs_compiler import compile_records
+        from dpcs_compiler.report import step_records
 
         assert compile_records(), "the blocks ran through dpcs"
+        if compiled:
+            assert step_records() and all(r.feasible for r in step_records())
+            assert step_records()[-1].split()["optimizer_state"] > 0
+
+
+def test_end_warmup_stores_the_state_now():
+    model = stack()
+    optimizer = CompressedOptimizer(torch.optim.AdamW(model.parameters()), states="int8", warmup_steps=10,
+                                    min_elements=0)
+    train(model, optimizer, 2)
+    assert not any(isinstance(v, Encoded) for state in optimizer.state.values() for v in state.values())
+    optimizer.end_warmup()
+    assert all(isinstance(state["exp_avg"], Encoded) for state in optimizer.state.values())
 
 
 def test_gradients_accumulate_over_micro_batches_as_on_the_device():
