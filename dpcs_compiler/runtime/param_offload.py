@@ -33,6 +33,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from dpcs_compiler.ops.offload_ops import _side_stream, copy_to_host_async
@@ -190,7 +191,7 @@ class ParameterOffload:
             self._running[id(param)] -= 1
             if not self._running[id(param)]:
                 self._release(param)
-        outputs = [t for t in _tensors(output) if t.requires_grad]
+        outputs = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
         if outputs and torch.is_grad_enabled():
             torch.autograd.graph.register_multi_grad_hook(
                 outputs, lambda grads: self._before_backward(module), mode="any")
@@ -270,12 +271,3 @@ class ParameterOffload:
         self._handles.clear()
         torch._dynamo.reset()  # code compiled with the hooks calls them
 
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _tensors(item)]
-    if isinstance(value, dict):
-        return [t for item in value.values() for t in _tensors(item)]
-    return []
