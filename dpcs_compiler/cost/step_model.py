@@ -209,12 +209,17 @@ class StepShape:
     call_gradient_bytes: tuple[int, ...] = ()
     forward_extra_bytes: int = 0  # alive during every forward besides (FSDP2's prefetched next gather)
     backward_extra_bytes: int = 0  # and every backward (FSDP2's gathers and reduce-scatters in flight)
+    # Per call (empty: none), alive during its forward / its backward besides: parameters brought in for other
+    # blocks while it runs (ParameterOffload's prefetch of its neighbours).
+    call_forward_extra_bytes: tuple[int, ...] = ()
+    call_backward_extra_bytes: tuple[int, ...] = ()
     # Allocated at the step's turn, between its last forward and its first backward, by code outside the graphs
     # (a loss in eager code: its logits, its softmax, their gradients); measured, as `outside_bytes` can be.
     turn_bytes: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("inputs_held_before", "held_twice", "call_parameter_bytes", "call_gradient_bytes"):
+        for name in ("inputs_held_before", "held_twice", "call_parameter_bytes", "call_gradient_bytes",
+                     "call_forward_extra_bytes", "call_backward_extra_bytes"):
             if getattr(self, name) and len(getattr(self, name)) != len(self.instances):
                 raise ValueError(f"StepShape.{name} needs one entry per call")
 
@@ -244,11 +249,13 @@ def _calls(shapes: Sequence[StepShape], graphs: Mapping[str, GraphStep], held: M
         kept = [max(0, held[k] - twice[j]) for j, k in enumerate(shape.instances)]  # each call's own holdings
         own_parameters = shape.call_parameter_bytes or tuple(graphs[k].parameter_bytes for k in shape.instances)
         gradients = shape.call_gradient_bytes or tuple(graphs[k].gradient_bytes for k in shape.instances)
+        ahead = shape.call_forward_extra_bytes or (0,) * n
+        behind = shape.call_backward_extra_bytes or (0,) * n
         for i, key in enumerate(shape.instances):
             common = max(0, shape.parameter_bytes - own_parameters[i]) + shape.outside_bytes
             earlier = max(0, sum(kept[:i]) - before[i])  # its inputs held by an earlier call: counted as its own
-            later = sum(gradients[i + 1 :]) + shape.backward_extra_bytes
-            yield s, i, key, common + earlier + shape.forward_extra_bytes, common + earlier + later
+            later = sum(gradients[i + 1 :]) + shape.backward_extra_bytes + behind[i]
+            yield s, i, key, common + earlier + shape.forward_extra_bytes + ahead[i], common + earlier + later
 
 
 def contexts_for(

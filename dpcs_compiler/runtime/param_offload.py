@@ -29,6 +29,7 @@ writes them.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -37,6 +38,10 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from dpcs_compiler.ops.offload_ops import _side_stream, copy_to_host_async
+
+# Every ParameterOffload installed and not closed: the step planner counts their parameters as a block's own,
+# alive for its call (and its neighbours' prefetch), not as the step's (`runtime/step.py`).
+INSTANCES: weakref.WeakSet[ParameterOffload] = weakref.WeakSet()
 
 
 class ParameterOffload:
@@ -99,8 +104,13 @@ class ParameterOffload:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         self._handles.append(register_optimizer_step_pre_hook(self._refuse_unaware_optimizers))
+        INSTANCES.add(self)
 
     # ---- what the optimizer sees
+
+    def offloaded(self) -> list[nn.Parameter]:
+        """The parameters kept in host memory between uses."""
+        return list(self._param.values())
 
     def owns(self, param: torch.Tensor) -> bool:
         return id(param) in self._param
@@ -123,6 +133,16 @@ class ParameterOffload:
         self._has_grad.clear()
         for host in self.host.values():
             host.grad = None
+
+    def prefetched_bytes(self, params: Iterable[torch.Tensor]) -> tuple[int, int]:
+        """Bytes of other modules' parameters brought in while the module of `params` runs: ahead of it in its
+        forward, behind it in its backward (the `prefetch` neighbours in the last forward's order)."""
+        ids = {id(p) for p in params}
+        mine = [m for m in self.modules if any(id(p) in ids for p in self.params[m])]
+        ahead = {id(p): p for m in mine for n in self._neighbours(m, +1) for p in self.params[n] if id(p) not in ids}
+        behind = {id(p): p for m in mine for n in self._neighbours(m, -1) for p in self.params[n] if id(p) not in ids}
+        return (sum(p.numel() * p.element_size() for p in ahead.values()),
+                sum(p.numel() * p.element_size() for p in behind.values()))
 
     def host_bytes(self) -> int:
         """Bytes of the host copies of the parameters and of their gradients (allocated once, at install)."""
@@ -269,5 +289,6 @@ class ParameterOffload:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        INSTANCES.discard(self)
         torch._dynamo.reset()  # code compiled with the hooks calls them
 

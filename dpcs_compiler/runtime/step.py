@@ -59,6 +59,8 @@ from dpcs_compiler.report import _ON_CLEAR, STEPS_FILE, StepRecord, add_step_rec
 from dpcs_compiler.cost.memory_model import plan_seconds
 from dpcs_compiler.cost.model_state import StateLever, added_seconds, device_bytes, levers
 from dpcs_compiler.runtime.compressed_optimizer import INSTANCES, CompressedOptimizer, measured_state_rates
+from dpcs_compiler.runtime.param_offload import INSTANCES as OFFLOADS
+from dpcs_compiler.runtime.param_offload import ParameterOffload
 from dpcs_compiler.solve import solved_decisions
 from dpcs_compiler.solve.model_state import StepWithState, choose_state_lever
 from dpcs_compiler.stages.job import BudgetInfeasibleError, describe_budget
@@ -90,6 +92,8 @@ class _Call:
     own_gradients: int  # the gradients its backward leaves for the rest of the step (FSDP2: sharded)
     gathered: int  # FSDP2: parameter bytes gathered for this call only (its timeline counts them)
     fsdp: _Fsdp | None  # FSDP2's shards and sharded gradients, as seen at this call
+    ahead: int = 0  # ParameterOffload: other blocks' parameters brought in during its forward
+    behind: int = 0  # and during its backward
 
 
 class StepRecorder:
@@ -160,7 +164,7 @@ class StepRecorder:
         first = self.latest_key[0][0] if self.latest_key[0] else None
         if dispatcher.name == first and self.glanced:
             order, self.glanced = tuple(self.glanced), []
-            if order not in {key[0] for key in self.shapes}:
+            if order not in _pieces({key[0] for key in self.shapes}, first):
                 log.info("dpcs: a step of an order not planned for (%d calls); watching it", len(order))
                 self.arm()
                 return
@@ -198,6 +202,8 @@ class StepRecorder:
         outside, bucket_views = _ddp_buckets()
         fsdp = _fsdp_parameters()
         own_gradients = gathered = 0
+        offloads = {id(p): po for po in list(OFFLOADS) for p in po.offloaded()}
+        brought: dict[ParameterOffload, list[torch.Tensor]] = {}
         held_inputs = frozenset(sharing.held_inputs) if sharing is not None else frozenset()
         for i, x in enumerate(args):
             if not isinstance(x, torch.Tensor):
@@ -206,6 +212,9 @@ class StepRecorder:
                 return dispatcher._fn(*args)  # DDP's graph splitting runs its pieces on fakes first
             storage = x.untyped_storage()
             if isinstance(x, torch.nn.Parameter):
+                if id(x) in offloads:  # brought in for this block (its timeline counts it), its gradient moved out
+                    brought.setdefault(offloads[id(x)], []).append(x)
+                    continue
                 if fsdp is not None and id(x) in fsdp.gathered:  # freed after its block: not the step's
                     gathered += x.numel() * x.element_size()
                     own_gradients += fsdp.gathered[id(x)] if x.requires_grad else 0
@@ -220,7 +229,7 @@ class StepRecorder:
             if i in held_inputs:
                 held[storage.data_ptr()] = storage.nbytes()
         # The optimizers of this step's parameters: their state is alive through it.
-        found = _optimizers_of(parameters)
+        found = _optimizers_of({**parameters, **{p.untyped_storage().data_ptr(): 0 for ps in brought.values() for p in ps}})
         if not self.calls:
             self.optimizers = weakref.WeakSet(found)
         else:
@@ -242,8 +251,10 @@ class StepRecorder:
             if self.meter is not None:
                 self.meter.discard()
             self.meter, self.measuring = None, False
+        prefetched = [po.prefetched_bytes(params) for po, params in brought.items()]
         self.calls.append(
-            _Call(dispatcher, parameters, gradients, inputs, held, outside, dispatcher.bucket, own_gradients, gathered, fsdp)
+            _Call(dispatcher, parameters, gradients, inputs, held, outside, dispatcher.bucket, own_gradients, gathered,
+                  fsdp, sum(a for a, _ in prefetched), sum(b for _, b in prefetched))
         )
         self.pending += 1
         if self.meter is not None:
@@ -426,6 +437,8 @@ class StepRecorder:
             # yet waited for (measured on gloo: one to three blocks' worth, by the ranks' timing).
             forward_extra_bytes=max((c.gathered for c in calls), default=0) if fsdp else 0,
             backward_extra_bytes=FSDP_BLOCKS_IN_FLIGHT * max((c.gathered for c in calls), default=0) if fsdp else 0,
+            call_forward_extra_bytes=tuple(c.ahead for c in calls) if any(c.ahead for c in calls) else (),
+            call_backward_extra_bytes=tuple(c.behind for c in calls) if any(c.behind for c in calls) else (),
         )
         return shape, [weakref.ref(c.dispatcher) for c in calls]
 
@@ -718,6 +731,20 @@ def _ddp_buckets() -> tuple[dict[int, int], bool]:
     return {id(ddp): nbytes}, bool(getattr(ddp, "gradient_as_bucket_view", False))
 
 
+def _pieces(orders: set[tuple[str, ...]], first: str) -> set[tuple[str, ...]]:
+    """The planned orders of calls cut before each call of `first`: what an unwatched step shows between two
+    calls of that graph (a graph called once per layer starts many pieces of one step)."""
+    pieces = set()
+    for order in orders:
+        start = 0
+        for i, name in enumerate(order):
+            if name == first and i > start:
+                pieces.add(order[start:i])
+                start = i
+        pieces.add(order[start:])
+    return pieces
+
+
 def _covering(a: StepShape, b: StepShape) -> StepShape:
     """One shape for two steps of the same calls (micro-batches with and without earlier gradients): each
     figure at its more demanding value, so a plan for it holds for both."""
@@ -737,6 +764,8 @@ def _covering(a: StepShape, b: StepShape) -> StepShape:
         call_gradient_bytes=most(a.call_gradient_bytes, b.call_gradient_bytes),
         forward_extra_bytes=max(a.forward_extra_bytes, b.forward_extra_bytes),
         backward_extra_bytes=max(a.backward_extra_bytes, b.backward_extra_bytes),
+        call_forward_extra_bytes=most(a.call_forward_extra_bytes, b.call_forward_extra_bytes),
+        call_backward_extra_bytes=most(a.call_backward_extra_bytes, b.call_backward_extra_bytes),
         turn_bytes=max(a.turn_bytes, b.turn_bytes),
     )
 

@@ -92,6 +92,21 @@ def test_contexts_count_earlier_graphs_holdings_later_gradients_and_other_parame
     assert contexts["B"].backward_bytes == max(80 + 5 + 70 + 40, 80 + 5 + 70 + 20)
 
 
+def test_blocks_brought_in_for_a_neighbour_count_in_that_calls_phase_only():
+    """ParameterOffload: while a block runs, the next block's parameters come in during its forward and the one
+    before during its backward; those bytes count for that call and phase, not for every call."""
+    p = problem()
+    graphs = {"B": graph("B", p, target=10_000, parameters=40, shared=60, gradients=0)}
+    shape = StepShape(instances=("B", "B", "B"), parameter_bytes=0, call_parameter_bytes=(0, 0, 0),
+                      call_gradient_bytes=(0, 0, 0), call_forward_extra_bytes=(40, 40, 0),
+                      call_backward_extra_bytes=(0, 40, 40))
+    contexts = contexts_for([shape], graphs, {"B": 20})
+    # Worst forward: the second call, the first holds 20 and the third's parameters are in (40).
+    assert contexts["B"] == StepContext(forward_bytes=20 + 40, backward_bytes=40 + 40)
+    with pytest.raises(ValueError, match="call_forward_extra_bytes"):
+        StepShape(instances=("B",), parameter_bytes=0, call_forward_extra_bytes=(1, 2))
+
+
 def test_step_peak_is_the_largest_call_and_names_it():
     p = problem()
     graphs = {k: graph(k, p, target=10_000, shared=100) for k in "AB"}

@@ -71,3 +71,86 @@ def test_state_kept_as_is_when_the_budget_allows_it():
     chosen = train(10**9, auto=True)
     assert chosen["lever"] == "fp32" and chosen["record"].optimizer_state["seconds"] == 0
     assert chosen["record"].split()["optimizer_state"] == chosen["state"]
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.up = torch.nn.Linear(width, 4 * width)
+        self.down = torch.nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class _Stack(torch.nn.Module):
+    """Parameters (2 MiB a block) much larger than activations: model states are the step's memory."""
+
+    def __init__(self, width: int = 256, blocks: int = 4) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(16, width)
+        self.blocks = torch.nn.ModuleList(_Block(width) for _ in range(blocks))
+        self.head = torch.nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def train_offloaded(budget: int, prefetch: int | None, on_infeasible: str = "error") -> dict:
+    """STEPS steps of the stack through dpcs with its blocks' parameters offloaded (prefetch None: not
+    offloaded), then one more forward and backward measured (parameters and state on the device counted in)."""
+    from dpcs_compiler.runtime import ParameterOffload
+
+    torch.manual_seed(0)
+    net = _Stack()
+    offload = ParameterOffload(list(net.blocks), prefetch=prefetch) if prefetch is not None else None
+    optimizer = CompressedOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-3), states="fp32", offload=offload)
+    compiled = dpcs_compile(net, memory_budget=budget, on_infeasible=on_infeasible)
+    x = torch.randn(64, 16)
+
+    def forward_backward() -> None:
+        compiled(x).square().mean().backward()
+
+    try:
+        for _ in range(STEPS):
+            forward_backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        state = optimizer_state_bytes(optimizer)
+        on_device = [p for p in net.parameters() if p.untyped_storage().nbytes()]
+        _, peak = measure_peak_memory(forward_backward)
+        return {"measured": peak.absolute(resident_bytes([*on_device, x]) + state), "record": step_records()[-1]}
+    finally:
+        if offload is not None:
+            offload.close()
+
+
+def test_offloaded_blocks_are_planned_in_the_step_and_meet_a_budget_the_resident_model_cannot():
+    """With ParameterOffload a block's parameters are on the device only around its own call and its neighbours'
+    (the prefetch): the step planner counts them there, so the predicted peak is the measured one, and a
+    budget the model with resident parameters cannot reach is met (measured)."""
+    resident = train_offloaded(1_000_000, None, on_infeasible="best")
+    assert abs(resident["measured"] - resident["record"].predicted_peak_bytes) <= 0.01 * resident["measured"]
+    peaks = {}
+    for prefetch in (0, 1, 2):
+        run = train_offloaded(10**9, prefetch)
+        record = run["record"]
+        assert len(record.calls) == 4, "every block's call is in the step"  # (a graph called once per block)
+        assert abs(run["measured"] - record.predicted_peak_bytes) <= 0.01 * run["measured"], (prefetch, run)
+        peaks[prefetch] = run["measured"]
+    block = sum(p.numel() * 4 for p in _Block(256).parameters())
+    # Each block prefetched further keeps one more block's parameters in (in the forward or the backward).
+    assert abs((peaks[1] - peaks[0]) - block) <= 0.05 * block and abs((peaks[2] - peaks[1]) - block) <= 0.05 * block
+
+    budget = (peaks[1] + resident["record"].predicted_peak_bytes) // 2 // 4  # well below what resident reaches
+    budget = max(budget, peaks[1] - block // 2)  # and below offload's unplanned peak: activations are planned too
+    met = train_offloaded(budget, 1)
+    print(f"budget {budget} B: resident parameters reach {resident['measured']} B at best; offloaded blocks "
+          f"measured {met['measured']} B (predicted {met['record'].predicted_peak_bytes} B)")
+    assert resident["measured"] > budget
+    assert met["record"].feasible and met["measured"] <= budget
+    assert abs(met["measured"] - met["record"].predicted_peak_bytes) <= 0.01 * met["measured"]
