@@ -64,6 +64,9 @@ class StateRates:
     encode_seconds: Mapping[str, float]
     decode_seconds: Mapping[str, float]
     link_bytes_per_second: float | None
+    # Seconds per parameter element that stepping the optimizer on the host adds over stepping it on the device
+    # (a block whose parameters are offloaded is stepped where they live); 0 where the host is the device.
+    host_step_seconds: float = 0.0
 
 
 def stored_bytes(shape: OptimizerStateShape, fmt: str) -> int:
@@ -96,6 +99,16 @@ def added_seconds(shape: OptimizerStateShape, lever: StateLever, rates: StateRat
     if rates.link_bytes_per_second is None:
         raise ValueError("a host lever on a device whose host is its own memory: nothing to move, nothing saved")
     return codec + 2 * stored_bytes(shape, lever.format) / rates.link_bytes_per_second
+
+
+def offload_seconds(parameter_bytes: int, gradient_bytes: int, parameter_elements: int, rates: StateRates) -> float:
+    """Seconds offloading a block's parameters adds to a step: they cross the host link twice (before its
+    forward and before its backward), its gradients once, and its optimizer step runs on the host. Counted
+    whole, as if no copy overlapped compute (they run on a side stream, so this is an upper bound)."""
+    if rates.link_bytes_per_second is None:
+        raise ValueError("offloading parameters on a device whose host is its own memory: nothing saved")
+    return ((2 * parameter_bytes + gradient_bytes) / rates.link_bytes_per_second
+            + parameter_elements * rates.host_step_seconds)
 
 
 def levers(host_is_device: bool) -> list[StateLever]:

@@ -26,7 +26,7 @@ Everything here is pure: problems and plain numbers in, contexts and peaks out; 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence, Set
 
 import numpy as np
 
@@ -216,12 +216,73 @@ class StepShape:
     # Allocated at the step's turn, between its last forward and its first backward, by code outside the graphs
     # (a loss in eager code: its logits, its softmax, their gradients); measured, as `outside_bytes` can be.
     turn_bytes: int = 0
+    # Blocks whose parameters may be offloaded (counted above as kept); `with_offloaded` counts a choice.
+    offload_blocks: OffloadBlocks | None = None
 
     def __post_init__(self) -> None:
+        if self.offload_blocks is not None and (
+                len(self.offload_blocks.uses) != len(self.instances)
+                or len(self.call_parameter_bytes) != len(self.instances)
+                or len(self.call_gradient_bytes) != len(self.instances)):
+            raise ValueError("StepShape.offload_blocks needs per-call uses, parameter and gradient bytes")
         for name in ("inputs_held_before", "held_twice", "call_parameter_bytes", "call_gradient_bytes",
                      "call_forward_extra_bytes", "call_backward_extra_bytes"):
             if getattr(self, name) and len(getattr(self, name)) != len(self.instances):
                 raise ValueError(f"StepShape.{name} needs one entry per call")
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadBlocks:
+    """Blocks of a step whose parameters may live in host memory between uses (`runtime/param_offload.py`),
+    for a `StepShape` that counts every one of them as kept on the device. Per block: a name (any hashable),
+    its parameter bytes, the gradient bytes its call's backward makes, and the gradients it already has
+    (earlier micro-batches). Per call of the shape: the blocks whose parameters it takes, and those brought in
+    beside it during its forward and during its backward (their prefetch), as block indices."""
+
+    names: tuple[Hashable, ...]
+    parameter_bytes: tuple[int, ...]
+    gradient_bytes: tuple[int, ...]
+    held_gradient_bytes: tuple[int, ...]
+    uses: tuple[frozenset[int], ...]
+    ahead: tuple[frozenset[int], ...]
+    behind: tuple[frozenset[int], ...]
+
+    def __post_init__(self) -> None:
+        n = len(self.names)
+        if not len(self.parameter_bytes) == len(self.gradient_bytes) == len(self.held_gradient_bytes) == n:
+            raise ValueError("OffloadBlocks needs parameter, gradient and held-gradient bytes for every block")
+        if not len(self.uses) == len(self.ahead) == len(self.behind):
+            raise ValueError("OffloadBlocks needs uses, ahead and behind for every call")
+        if any(not 0 <= b < n for b in set().union(*self.uses, *self.ahead, *self.behind)):
+            raise ValueError(f"OffloadBlocks names a block outside 0..{n - 1}")
+
+
+def with_offloaded(shape: StepShape, offloaded: Set[Hashable]) -> StepShape:
+    """`shape` (its `offload_blocks` counted as kept on the device) with the blocks named in `offloaded` in host
+    memory between uses: their parameters, gradients and held gradients leave the step's memory; each call
+    counts those of its own blocks (its graph's timeline does) and those brought in beside it, in the phase
+    that brings them."""
+    blocks = shape.offload_blocks
+    out = frozenset(i for i, name in enumerate(blocks.names) if name in offloaded) if blocks else frozenset()
+    if not out:
+        return shape
+    n = len(shape.instances)
+    p, g = blocks.parameter_bytes, blocks.gradient_bytes
+    ahead = shape.call_forward_extra_bytes or (0,) * n
+    behind = shape.call_backward_extra_bytes or (0,) * n
+    return dataclasses.replace(
+        shape,
+        parameter_bytes=shape.parameter_bytes - sum(p[b] for b in out),
+        outside_bytes=shape.outside_bytes - sum(blocks.held_gradient_bytes[b] for b in out),
+        call_parameter_bytes=tuple(
+            shape.call_parameter_bytes[i] - sum(p[b] for b in blocks.uses[i] & out) for i in range(n)),
+        call_gradient_bytes=tuple(
+            shape.call_gradient_bytes[i] - sum(g[b] for b in blocks.uses[i] & out) for i in range(n)),
+        call_forward_extra_bytes=tuple(ahead[i] + sum(p[b] for b in (blocks.ahead[i] & out) - blocks.uses[i])
+                                       for i in range(n)),
+        call_backward_extra_bytes=tuple(behind[i] + sum(p[b] for b in (blocks.behind[i] & out) - blocks.uses[i])
+                                        for i in range(n)),
+    )
 
 
 TURN = "turn"  # the phase of a step's turn: after its last forward, before its first backward (eager code there)

@@ -24,7 +24,7 @@ import functools
 import math
 import time
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Set
 from typing import Any
 
 import torch
@@ -143,6 +143,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.on_host = on_host
         self.chunk_bytes = chunk_bytes
         self.offload = offload
+        if offload is not None:
+            offload.optimizers.add(self)  # told when parameters move (`ParameterOffload.use`)
         self._steps: dict[torch.Tensor, int] = {}
         # Stored buffers, reused step to step: (id of the parameter, state name) -> its stored state. (Ids, not
         # the tensors: a tuple key compares its items with == when hashes collide.)
@@ -381,6 +383,27 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._held = {key: held for key, held in self._held.items()
                       if key[0] in params and self.state.get(params[key[0]], {}).get(key[1]) is held}
 
+    def relocate(self, params: Iterable[torch.Tensor]) -> None:
+        """The state of `params` moved to where each now lives (`ParameterOffload.use` moved them between the
+        device and the host); state the lever keeps in host memory stays there."""
+        for param in params:
+            state = self.state.get(param)
+            if not state:
+                continue
+            device = _local(self._live(param)).device
+            for name, value in list(state.items()):
+                if isinstance(value, Encoded):
+                    if self.on_host or value.codes.device == device:
+                        continue
+                    moved = Encoded(value.format, value.codes.to(device),
+                                    None if value.scales is None else value.scales.to(device),
+                                    value.block_size, value.signed, value.dtype)
+                    if self._held.get((id(param), name)) is value:
+                        self._held[(id(param), name)] = moved
+                    state[name] = moved
+                elif isinstance(value, torch.Tensor) and value.dim() >= 1 and value.device != device:
+                    state[name] = value.to(device)
+
     def _stored_names(self, group: Mapping[str, Any]) -> list[str]:
         """The storable states the wrapped optimizer keeps per parameter of `group`, as its options make them."""
         kind = type(self.inner)
@@ -395,14 +418,17 @@ class CompressedOptimizer(torch.optim.Optimizer):
             names = ["sum"]
         return [n for n in names if n in self.policy]
 
-    def state_shape(self) -> OptimizerStateShape:
+    def state_shape(self, offloaded: Set[int] = frozenset()) -> OptimizerStateShape:
         """This optimizer's state in counts (`cost/model_state.py`), from its parameters and options: what a
-        lever may store, and what stays as it is."""
+        lever may store, and what stays as it is; the parameters whose ids are in `offloaded` left out (their
+        state lives with them in host memory)."""
         stored = kept = blocks = 0
         counted = type(self.inner) in (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad)
         for group in self.param_groups:
             names = self._stored_names(group)
             for param in group["params"]:
+                if id(param) in offloaded:
+                    continue
                 local = _local(param)
                 kept += 4 if counted else 0  # the step count, a float32 scalar per parameter
                 if local.numel() >= self.min_elements and param.dim() >= 1 and _blocks_follow_placement(param):
@@ -419,6 +445,20 @@ class CompressedOptimizer(torch.optim.Optimizer):
         return _local(first).device if first is not None else torch.device("cpu")
 
     # ---- what the state takes
+
+    def device_state_bytes(self, offloaded: Set[int]) -> int:
+        """Bytes of state on the device if the parameters whose ids are in `offloaded` lived in host memory
+        (their state with them) and the others on the device, as the state is stored now."""
+        device = 0
+        for param, state in self.state.items():
+            if id(param) in offloaded:
+                continue
+            for value in state.values():
+                if isinstance(value, Encoded):
+                    device += 0 if self.on_host and value.codes.device.type == "cpu" else value.nbytes
+                elif isinstance(value, torch.Tensor):
+                    device += _local(value).nbytes
+        return device
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes of optimizer state on the parameters' devices and in host buffers."""
@@ -545,8 +585,9 @@ def decompress_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
 
 @functools.cache
 def measured_state_rates(device: str) -> StateRates:
-    """Seconds per element to encode and decode each format on `device`, and its host link's bytes per second
-    (None on CPU, where the host is the device's memory): timed once per process on 2**18 elements."""
+    """Seconds per element to encode and decode each format on `device`, its host link's bytes per second and
+    what an AdamW step on the host adds over one on the device per element (None and 0 on CPU, where the host
+    is the device's memory): timed once per process on 2**18 elements."""
     values = torch.randn(1 << 18, device=device)
 
     def seconds(fn) -> float:
@@ -567,8 +608,16 @@ def measured_state_rates(device: str) -> StateRates:
         encoded = encode(values, fmt)
         encode_seconds[fmt] = seconds(lambda: encode(values, fmt, out=encoded))
         decode_seconds[fmt] = seconds(lambda: decode(encoded))
-    link = None
+    link, host_step = None, 0.0
     if values.is_cuda:
         host = torch.empty(values.numel(), pin_memory=True)
         link = values.nbytes / seconds(lambda: values.copy_(host, non_blocking=True)) / values.numel()
-    return StateRates(encode_seconds, decode_seconds, link)
+        # An offloaded block's optimizer step runs on the host: AdamW's step there less its step on the device.
+        steps = []
+        for where in (host, values):
+            param = torch.nn.Parameter(where.clone())
+            param.grad = torch.randn_like(param)
+            adamw = torch.optim.AdamW([param])
+            steps.append(seconds(adamw.step))
+        host_step = max(0.0, steps[0] - steps[1])
+    return StateRates(encode_seconds, decode_seconds, link, host_step)

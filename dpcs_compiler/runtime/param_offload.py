@@ -48,14 +48,20 @@ class ParameterOffload:
     """Keeps the parameters of `modules` in host memory between uses; see the module docstring.
 
     prefetch: how many modules ahead (in forward; behind, in backward) are brought in when one starts.
+    auto: the step planner of a model compiled with a `memory_budget` chooses which of `modules` are offloaded
+        (the fewest that let the step fit at the least added time, with the optimizer state's lever and the
+        activation plan; none where the host is the device's own memory) and switches them between steps
+        (`use`). Until it has, all are offloaded.
     """
 
-    def __init__(self, modules: Sequence[nn.Module], *, prefetch: int = 1) -> None:
+    def __init__(self, modules: Sequence[nn.Module], *, prefetch: int = 1, auto: bool = False) -> None:
         modules = list(modules)
         if not modules or not all(isinstance(m, nn.Module) for m in modules):
             raise ValueError("ParameterOffload needs a non-empty list of nn.Module to offload")
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0; got {prefetch!r}")
+        if not isinstance(auto, bool):
+            raise ValueError(f"auto must be True or False; got {auto!r}")
         for outer in modules:
             for inner in modules:
                 if outer is not inner and any(inner is m for m in outer.modules()):
@@ -63,6 +69,9 @@ class ParameterOffload:
                                      f"contains {type(inner).__name__}")
         self.modules = modules
         self.prefetch = prefetch
+        self.auto = auto
+        self._kept: set[int] = set()  # parameters kept on the device (`use`): resident, stepped there
+        self.optimizers: weakref.WeakSet[Any] = weakref.WeakSet()  # CompressedOptimizers stepping with this
         self.params: dict[nn.Module, list[nn.Parameter]] = {m: list(m.parameters()) for m in modules}
         unique = {id(p): p for params in self.params.values() for p in params}
         self.host: dict[int, torch.Tensor] = {}
@@ -109,11 +118,55 @@ class ParameterOffload:
     # ---- what the optimizer sees
 
     def offloaded(self) -> list[nn.Parameter]:
-        """The parameters kept in host memory between uses."""
-        return list(self._param.values())
+        """The parameters kept in host memory between uses (now)."""
+        return [p for key, p in self._param.items() if key not in self._kept]
 
     def owns(self, param: torch.Tensor) -> bool:
-        return id(param) in self._param
+        """Whether `param` is one of this offload's and lives in host memory between uses now."""
+        return id(param) in self._param and id(param) not in self._kept
+
+    def offloaded_modules(self) -> list[nn.Module]:
+        return [m for m in self.modules if not any(id(p) in self._kept for p in self.params[m])]
+
+    def use(self, offloaded: Iterable[nn.Module]) -> None:
+        """Offload the parameters of the modules in `offloaded` and keep the others' on the device, from now on
+        (between steps, or at the start of a forward: not while a backward runs). A parameter that comes back
+        brings its gradients so far and its optimizer state with it; one that goes takes them to the host (and
+        leaves the device when its module is not running)."""
+        chosen = {id(m) for m in offloaded}
+        unknown = chosen - {id(m) for m in self.modules}
+        if unknown:
+            raise ValueError(f"use() names {len(unknown)} modules this ParameterOffload was not given")
+        self.settle()
+        moved: list[nn.Parameter] = []
+        for module in self.modules:
+            for param in self.params[module]:
+                key = id(param)
+                if id(module) in chosen and key in self._kept:  # to the host
+                    self._kept.discard(key)
+                    self.host[key].copy_(param.detach())
+                    if param.grad is not None:
+                        self._accumulate(key, param.grad)
+                        param.grad = None
+                    if not self._running.get(key):
+                        self._release(param)
+                    moved.append(param)
+                elif id(module) not in chosen and key not in self._kept:  # to the device, for good
+                    self._fetch(param)
+                    self._wait([param])
+                    if key in self._has_grad:
+                        grad = self.host_grad[key].to(param.device, copy=True)
+                        param.grad = grad if param.grad is None else param.grad.add_(grad)
+                        self._has_grad.discard(key)
+                    self.host[key].grad = None
+                    self._kept.add(key)
+                    moved.append(param)
+        for optimizer in list(self.optimizers):
+            optimizer.relocate(moved)
+
+    def has_gradient(self, param: torch.Tensor) -> bool:
+        """Whether an offloaded parameter has a gradient waiting in host memory (earlier micro-batches)."""
+        return id(param) in self._has_grad
 
     def host_param(self, param: torch.Tensor) -> torch.Tensor:
         """The host master copy of an offloaded parameter, its `.grad` the host gradient (after `settle`)."""
@@ -133,16 +186,6 @@ class ParameterOffload:
         self._has_grad.clear()
         for host in self.host.values():
             host.grad = None
-
-    def prefetched_bytes(self, params: Iterable[torch.Tensor]) -> tuple[int, int]:
-        """Bytes of other modules' parameters brought in while the module of `params` runs: ahead of it in its
-        forward, behind it in its backward (the `prefetch` neighbours in the last forward's order)."""
-        ids = {id(p) for p in params}
-        mine = [m for m in self.modules if any(id(p) in ids for p in self.params[m])]
-        ahead = {id(p): p for m in mine for n in self._neighbours(m, +1) for p in self.params[n] if id(p) not in ids}
-        behind = {id(p): p for m in mine for n in self._neighbours(m, -1) for p in self.params[n] if id(p) not in ids}
-        return (sum(p.numel() * p.element_size() for p in ahead.values()),
-                sum(p.numel() * p.element_size() for p in behind.values()))
 
     def host_bytes(self) -> int:
         """Bytes of the host copies of the parameters and of their gradients (allocated once, at install)."""
@@ -177,10 +220,12 @@ class ParameterOffload:
     def _release(self, param: nn.Parameter) -> None:
         key = id(param)
         self._wait([param])
+        if key in self._kept:
+            return
         param.untyped_storage().resize_(0)
         self._resident.discard(key)
 
-    def _neighbours(self, module: nn.Module, direction: int) -> list[nn.Module]:
+    def neighbours(self, module: nn.Module, direction: int) -> list[nn.Module]:
         """The `prefetch` modules after (direction +1) or before (-1) `module` in the last forward's order."""
         order = self._order or self._this_forward
         if module not in order:
@@ -200,7 +245,7 @@ class ParameterOffload:
         for param in self.params[module]:
             self._running[id(param)] = self._running.get(id(param), 0) + 1
             self._fetch(param)
-        for ahead in self._neighbours(module, +1):
+        for ahead in self.neighbours(module, +1):
             for param in self.params[ahead]:
                 self._fetch(param)
         self._wait(self.params[module])
@@ -219,7 +264,7 @@ class ParameterOffload:
     def _before_backward(self, module: nn.Module) -> None:
         for param in self.params[module]:
             self._fetch(param)
-        for behind in self._neighbours(module, -1):
+        for behind in self.neighbours(module, -1):
             for param in self.params[behind]:
                 self._fetch(param)
         self._wait(self.params[module])
@@ -235,9 +280,9 @@ class ParameterOffload:
 
     def _gradient_ready(self, param: torch.Tensor) -> None:
         grad = param.grad
-        if grad is None:
-            return
         key = id(param)
+        if grad is None or key in self._kept:
+            return
         if grad.is_cuda:
             self._pending_grads.append((key, *copy_to_host_async(grad)))
         else:
@@ -276,7 +321,7 @@ class ParameterOffload:
 
     def _after_load(self, module: nn.Module, incompatible: Any) -> None:
         for param in self.params[module]:
-            if id(param) in self._resident and not self._running.get(id(param)):
+            if self.owns(param) and id(param) in self._resident and not self._running.get(id(param)):
                 self.host[id(param)].copy_(param.detach())
                 self._release(param)
 

@@ -47,17 +47,19 @@ from dpcs_compiler.cost.step_model import (
     TURN,
     GraphLevels,
     GraphStep,
+    OffloadBlocks,
     StepContext,
     StepShape,
     boundary_level,
     plan_step,
     predicted_levels,
+    with_offloaded,
 )
 from dpcs_compiler.debug.render import format_bytes
 from dpcs_compiler.measure import BEFORE_PROFILING, CpuMemoryProfile, optimizer_state_bytes
 from dpcs_compiler.report import _ON_CLEAR, STEPS_FILE, StepRecord, add_step_record
 from dpcs_compiler.cost.memory_model import plan_seconds
-from dpcs_compiler.cost.model_state import StateLever, added_seconds, device_bytes, levers
+from dpcs_compiler.cost.model_state import StateLever, added_seconds, device_bytes, levers, offload_seconds
 from dpcs_compiler.runtime.compressed_optimizer import INSTANCES, CompressedOptimizer, measured_state_rates
 from dpcs_compiler.runtime.param_offload import INSTANCES as OFFLOADS
 from dpcs_compiler.runtime.param_offload import ParameterOffload
@@ -92,8 +94,24 @@ class _Call:
     own_gradients: int  # the gradients its backward leaves for the rest of the step (FSDP2: sharded)
     gathered: int  # FSDP2: parameter bytes gathered for this call only (its timeline counts them)
     fsdp: _Fsdp | None  # FSDP2's shards and sharded gradients, as seen at this call
-    ahead: int = 0  # ParameterOffload: other blocks' parameters brought in during its forward
-    behind: int = 0  # and during its backward
+    # ParameterOffload blocks (`_Block`): those whose parameters it takes, and those brought in beside it during
+    # its forward and its backward (their prefetch).
+    blocks: tuple[tuple[int, int], ...] = ()
+    ahead: frozenset[tuple[int, int]] = frozenset()
+    behind: frozenset[tuple[int, int]] = frozenset()
+
+
+@dataclasses.dataclass
+class _Block:
+    """A module of a ParameterOffload, as the step sees it; named (id of the offload, id of the module)."""
+
+    offload: weakref.ref[ParameterOffload]
+    module: weakref.ref[torch.nn.Module]
+    parameter_bytes: int
+    parameter_elements: int
+    gradient_bytes: int  # of its parameters that take a gradient
+    held_gradient_bytes: int  # gradients it has from earlier micro-batches (on the device, or on the host)
+    chosen: bool  # the planner chooses whether it is offloaded (`ParameterOffload(auto=True)`)
 
 
 class StepRecorder:
@@ -139,6 +157,7 @@ class StepRecorder:
         # bytes of their state the last plan counted.
         self.optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self.planned_state: dict[tuple, tuple[set[int], int]] = {}  # step key -> (optimizers, state bytes) planned
+        self.blocks: dict[tuple[int, int], _Block] = {}  # ParameterOffload modules the steps' graphs ran, by name
 
     # -- watching ------------------------------------------------------------------------------------------
     def arm(self, dispatcher: GraphDispatcher | None = None) -> None:
@@ -202,8 +221,8 @@ class StepRecorder:
         outside, bucket_views = _ddp_buckets()
         fsdp = _fsdp_parameters()
         own_gradients = gathered = 0
-        offloads = {id(p): po for po in list(OFFLOADS) for p in po.offloaded()}
-        brought: dict[ParameterOffload, list[torch.Tensor]] = {}
+        offloads = {id(p): (po, m) for po in list(OFFLOADS) for m in po.modules for p in po.params[m]}
+        used: dict[tuple[int, int], tuple[ParameterOffload, torch.nn.Module]] = {}
         held_inputs = frozenset(sharing.held_inputs) if sharing is not None else frozenset()
         for i, x in enumerate(args):
             if not isinstance(x, torch.Tensor):
@@ -212,8 +231,9 @@ class StepRecorder:
                 return dispatcher._fn(*args)  # DDP's graph splitting runs its pieces on fakes first
             storage = x.untyped_storage()
             if isinstance(x, torch.nn.Parameter):
-                if id(x) in offloads:  # brought in for this block (its timeline counts it), its gradient moved out
-                    brought.setdefault(offloads[id(x)], []).append(x)
+                if id(x) in offloads:  # a block's: counted for the choices of what is offloaded (`_shape`)
+                    po, module = offloads[id(x)]
+                    used[(id(po), id(module))] = (po, module)
                     continue
                 if fsdp is not None and id(x) in fsdp.gathered:  # freed after its block: not the step's
                     gathered += x.numel() * x.element_size()
@@ -229,7 +249,7 @@ class StepRecorder:
             if i in held_inputs:
                 held[storage.data_ptr()] = storage.nbytes()
         # The optimizers of this step's parameters: their state is alive through it.
-        found = _optimizers_of({**parameters, **{p.untyped_storage().data_ptr(): 0 for ps in brought.values() for p in ps}})
+        found = _optimizers_of(parameters, [p for po, m in used.values() for p in po.params[m]])
         if not self.calls:
             self.optimizers = weakref.WeakSet(found)
         else:
@@ -251,10 +271,12 @@ class StepRecorder:
             if self.meter is not None:
                 self.meter.discard()
             self.meter, self.measuring = None, False
-        prefetched = [po.prefetched_bytes(params) for po, params in brought.items()]
+        for name, (po, module) in used.items():
+            self.blocks[name] = _block(po, module)
         self.calls.append(
             _Call(dispatcher, parameters, gradients, inputs, held, outside, dispatcher.bucket, own_gradients, gathered,
-                  fsdp, sum(a for a, _ in prefetched), sum(b for _, b in prefetched))
+                  fsdp, tuple(used), *(frozenset((id(po), id(n)) for po, m in used.values()
+                                                 for n in po.neighbours(m, direction)) for direction in (+1, -1)))
         )
         self.pending += 1
         if self.meter is not None:
@@ -279,7 +301,7 @@ class StepRecorder:
             if measuring:
                 self._due(meter, None)  # its profiler stops outside the backward
             return
-        shape, refs = self._shape(calls)
+        shape, refs = self._shape(calls, self.blocks)
         key = (shape.instances, tuple(c.bucket for c in calls))
         self.latest, self.latest_key = key[1], key
         if self.verify_in is not None and self.verify_in > 0:
@@ -290,7 +312,8 @@ class StepRecorder:
             # it; what it holds beyond (made by a first optimizer step since) is planned for anyway (`grown`), so
             # it is left out of the reading, not counted again as memory outside the graphs.
             state = _state_bytes(self.optimizers)
-            baseline = shape.parameter_bytes + shape.outside_bytes + sum(calls[0].inputs.values()) + state
+            kept = with_offloaded(shape, _offloaded_now())  # as the blocks are now
+            baseline = kept.parameter_bytes + kept.outside_bytes + sum(calls[0].inputs.values()) + state
             self._due(meter, (key, shape, refs, baseline, max(0, state - self.predicted_state_bytes)))
             return
         self._settle(key, shape, refs, None)
@@ -409,7 +432,7 @@ class StepRecorder:
             self.to_plan = True
 
     @staticmethod
-    def _shape(calls: list[_Call]) -> tuple[StepShape, list[weakref.ref[GraphDispatcher]]]:
+    def _shape(calls: list[_Call], blocks: dict[tuple[int, int], _Block]) -> tuple[StepShape, list[weakref.ref[GraphDispatcher]]]:
         parameters: dict[int, int] = {}
         gradients: dict[int, int] = {}
         held_before: set[int] = set()  # storages an earlier call holds for its backward
@@ -423,6 +446,7 @@ class StepRecorder:
             held_twice.append(sum(n for p, n in c.held.items() if p in held_before and p in c.inputs))
             held_before.update(c.held)
         fsdp = next((c.fsdp for c in reversed(calls) if c.fsdp is not None), None)
+        offload = _offload_blocks(calls, blocks)
         shape = StepShape(
             instances=tuple(c.dispatcher.name for c in calls),
             # FSDP2: every rank keeps its shards; each block's gathered parameters live for its call only.
@@ -437,9 +461,18 @@ class StepRecorder:
             # yet waited for (measured on gloo: one to three blocks' worth, by the ranks' timing).
             forward_extra_bytes=max((c.gathered for c in calls), default=0) if fsdp else 0,
             backward_extra_bytes=FSDP_BLOCKS_IN_FLIGHT * max((c.gathered for c in calls), default=0) if fsdp else 0,
-            call_forward_extra_bytes=tuple(c.ahead for c in calls) if any(c.ahead for c in calls) else (),
-            call_backward_extra_bytes=tuple(c.behind for c in calls) if any(c.behind for c in calls) else (),
         )
+        if offload is not None:  # every block counted as kept on the device; `with_offloaded` counts a choice
+            shape = dataclasses.replace(
+                shape,
+                parameter_bytes=shape.parameter_bytes + sum(offload.parameter_bytes),
+                outside_bytes=shape.outside_bytes + sum(offload.held_gradient_bytes),
+                call_parameter_bytes=tuple(n + sum(offload.parameter_bytes[b] for b in offload.uses[i])
+                                           for i, n in enumerate(shape.call_parameter_bytes)),
+                call_gradient_bytes=tuple(n + sum(offload.gradient_bytes[b] for b in offload.uses[i])
+                                          for i, n in enumerate(shape.call_gradient_bytes)),
+                offload_blocks=offload,
+            )
         return shape, [weakref.ref(c.dispatcher) for c in calls]
 
     def provisional_context(self, example_inputs: Sequence[Any]) -> StepContext | None:
@@ -499,7 +532,7 @@ class StepRecorder:
         optimizers = list(self.optimizers)
 
         def decide() -> tuple[StepRecord | None, str | None]:
-            return self._decide(shapes, dispatchers, optimizers)
+            return self._decide(shapes, dispatchers, optimizers, self.blocks)
 
         record, message = rank_agreement.from_rank_zero(decide, "step plan") if agreeing else decide()
         self.plans += 1
@@ -521,11 +554,17 @@ class StepRecorder:
                 self.predicted_state_bytes = 0
             return None
         add_step_record(record)
-        if record.optimizer_state is not None and record.optimizer_state.get("chosen"):
-            lever = StateLever(record.optimizer_state["format"], record.optimizer_state["on_host"])
-            for optimizer in optimizers:  # every rank its own, as rank 0's plan says
-                if isinstance(optimizer, CompressedOptimizer) and optimizer.auto:
-                    optimizer.use(lever)
+        chosen = record.optimizer_state or {}
+        if chosen.get("chosen"):  # every rank its own optimizers and blocks, as rank 0's plan says
+            if chosen["format"] is not None:
+                lever = StateLever(chosen["format"], chosen["on_host"])
+                for optimizer in optimizers:
+                    if isinstance(optimizer, CompressedOptimizer) and optimizer.auto:
+                        optimizer.use(lever)
+            if chosen["offloadable_blocks"]:
+                out = set(chosen_blocks(self.blocks, shapes)[:chosen["offloaded_blocks"]])
+                for po in {b.offload() for b in self.blocks.values() if b.chosen} - {None}:
+                    po.use([m for m in po.modules if (id(po), id(m)) in out])
             self._note_planned(planned, optimizers)  # as they keep their state now
         for root in {d.options.dump_dir for d in dispatchers.values() if d.options.dump_dir is not None}:
             root.mkdir(parents=True, exist_ok=True)
@@ -554,7 +593,8 @@ class StepRecorder:
 
     @staticmethod
     def _decide(shapes: list[StepShape], dispatchers: dict[str, GraphDispatcher],
-                optimizers: Sequence[torch.optim.Optimizer] = ()) -> tuple[StepRecord | None, str | None]:
+                optimizers: Sequence[torch.optim.Optimizer] = (),
+                blocks: dict[tuple[int, int], _Block] | None = None) -> tuple[StepRecord | None, str | None]:
         """The step plan as a record, and the error message when no plan fits (None when it does)."""
         graphs: dict[str, GraphStep] = {}
         current: dict[str, tuple[str, ...]] = {}
@@ -569,7 +609,8 @@ class StepRecorder:
                 return None, None
             graphs[name], current[name] = step_graph
         settled = not any(d.bucket in d.provisional for d in dispatchers.values())
-        shapes, plan, state = _plan_with_optimizer_state(shapes, graphs, current, settled, optimizers)
+        link = _host_link(dispatchers.values())
+        shapes, plan, state = _plan_with_model_state(shapes, graphs, current, settled, optimizers, blocks, link)
         if plan.alone:
             return None, None  # one graph: its own plan is the step's (its compile raised or warned already)
         budget = min(int(d.current_budget_bytes or 0) for d in dispatchers.values()) or None
@@ -745,6 +786,28 @@ def _pieces(orders: set[tuple[str, ...]], first: str) -> set[tuple[str, ...]]:
     return pieces
 
 
+def _offload_blocks(calls: Sequence[_Call], blocks: dict[tuple[int, int], _Block]) -> OffloadBlocks | None:
+    """The ParameterOffload blocks the calls take, and those prefetched beside them, as a step shape counts
+    them (None without any)."""
+    names = list(dict.fromkeys(name for c in calls for name in (*c.blocks, *c.ahead, *c.behind) if name in blocks))
+    if not names:
+        return None
+    index = {name: i for i, name in enumerate(names)}
+
+    def indices(group) -> frozenset[int]:
+        return frozenset(index[name] for name in group if name in index)
+
+    return OffloadBlocks(
+        names=tuple(names),
+        parameter_bytes=tuple(blocks[n].parameter_bytes for n in names),
+        gradient_bytes=tuple(blocks[n].gradient_bytes for n in names),
+        held_gradient_bytes=tuple(blocks[n].held_gradient_bytes for n in names),
+        uses=tuple(indices(c.blocks) for c in calls),
+        ahead=tuple(indices(c.ahead) for c in calls),
+        behind=tuple(indices(c.behind) for c in calls),
+    )
+
+
 def _covering(a: StepShape, b: StepShape) -> StepShape:
     """One shape for two steps of the same calls (micro-batches with and without earlier gradients): each
     figure at its more demanding value, so a plan for it holds for both."""
@@ -767,6 +830,10 @@ def _covering(a: StepShape, b: StepShape) -> StepShape:
         call_forward_extra_bytes=most(a.call_forward_extra_bytes, b.call_forward_extra_bytes),
         call_backward_extra_bytes=most(a.call_backward_extra_bytes, b.call_backward_extra_bytes),
         turn_bytes=max(a.turn_bytes, b.turn_bytes),
+        offload_blocks=(dataclasses.replace(b.offload_blocks, held_gradient_bytes=most(
+            a.offload_blocks.held_gradient_bytes, b.offload_blocks.held_gradient_bytes))
+            if a.offload_blocks and b.offload_blocks and a.offload_blocks.names == b.offload_blocks.names
+            else b.offload_blocks),
     )
 
 
@@ -796,16 +863,28 @@ _ON_CLEAR.append(STEPS.reset)
 BEFORE_PROFILING.append(STEPS.finish_reading)
 
 
-def _optimizers_of(parameters: dict[int, int]) -> list[torch.optim.Optimizer]:
+def _optimizers_of(parameters: dict[int, int], offloaded: Sequence[torch.Tensor] = ()) -> list[torch.optim.Optimizer]:
     """The optimizers (CompressedOptimizers, and torch optimizers seen stepping) that step some of these
-    parameters (by storage)."""
+    parameters (by storage), or of these ParameterOffload parameters (by identity)."""
     _watch_optimizers()
     found = []
+    ids = {id(p) for p in offloaded}
     for optimizer in [*INSTANCES, *_STEPPED]:
-        if any(p.untyped_storage().data_ptr() in parameters for g in optimizer.param_groups for p in g["params"]
-               if p.untyped_storage().nbytes()):
+        if any(id(p) in ids or (p.untyped_storage().nbytes() and p.untyped_storage().data_ptr() in parameters)
+               for g in optimizer.param_groups for p in g["params"]):
             found.append(optimizer)
     return found
+
+
+def _block(po: ParameterOffload, module: torch.nn.Module) -> _Block:
+    params = po.params[module]
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    return _Block(
+        weakref.ref(po), weakref.ref(module), nbytes, sum(p.numel() for p in params),
+        sum(p.numel() * p.element_size() for p in params if p.requires_grad),
+        sum(p.numel() * p.element_size() for p in params if p.grad is not None or po.has_gradient(p)),
+        po.auto,
+    )
 
 
 def _state_bytes(optimizers: Any) -> int:
@@ -831,48 +910,122 @@ def _watch_optimizers() -> None:
     _WATCHING.append(register_optimizer_step_post_hook(stepped))
 
 
-def _plan_with_optimizer_state(
-    shapes: list[StepShape], graphs: dict[str, GraphStep], current: dict[str, tuple[str, ...]], settled: bool,
-    optimizers: Sequence[torch.optim.Optimizer],
-) -> tuple[list[StepShape], Any, dict[str, Any] | None]:
-    """The step plan with the optimizers' state alive through the step, and how the "auto" CompressedOptimizers
-    keep theirs: the lever (`cost/model_state.py`) whose added time plus the activation plan's is least
-    (`solve/model_state.py`). Returns the shapes as planned (their outside bytes count the state), the plan,
-    and what was chosen (None without optimizers)."""
-    if not optimizers:
-        return shapes, plan_step(shapes, graphs, current, solved_decisions, settled), None
-    auto = [o for o in optimizers if isinstance(o, CompressedOptimizer) and o.auto]
-    fixed = _state_bytes([o for o in optimizers if o not in auto])
-    plans: dict[int, tuple[list[StepShape], Any]] = {}
+def _host_link(dispatchers) -> float | None:
+    """The host link's bytes per second (the slower way) of the profile the step's graphs are planned with;
+    None where the host is the device's own memory (or no graph has a profile yet)."""
+    for d in dispatchers:
+        job = d.current_job()
+        resolved = getattr(job, "resolved_profile", None)
+        if resolved is not None:
+            profile = resolved.profile
+            if profile.host_to_device is None or profile.device_to_host is None:
+                return None
+            return min(profile.host_to_device, profile.device_to_host)
+    return None
 
-    def plan_with(state_bytes: int, find_lowest: bool = False) -> StepWithState:
-        counted = [dataclasses.replace(s, outside_bytes=s.outside_bytes + fixed + state_bytes) for s in shapes]
+
+def _offloaded_now() -> set[tuple[int, int]]:
+    """The ParameterOffload blocks offloaded now, by name (id of the offload, id of the module)."""
+    return {(id(po), id(m)) for po in list(OFFLOADS) for m in po.offloaded_modules()}
+
+
+def chosen_blocks(blocks: dict[tuple[int, int], _Block], shapes: Sequence[StepShape]) -> list[tuple[int, int]]:
+    """The blocks the planner chooses about (`ParameterOffload(auto=True)`) in the order it offloads them: the
+    largest first (the fewest transfers for the bytes), then in the order the steps take them. The same on
+    every rank of a job running the same model."""
+    names = list(dict.fromkeys(n for s in shapes if s.offload_blocks for n in s.offload_blocks.names))
+    chosen = [n for n in names if n in blocks and blocks[n].chosen]
+    return sorted(chosen, key=lambda n: -blocks[n].parameter_bytes)
+
+
+def _plan_with_model_state(
+    shapes: list[StepShape], graphs: dict[str, GraphStep], current: dict[str, tuple[str, ...]], settled: bool,
+    optimizers: Sequence[torch.optim.Optimizer], blocks: dict[tuple[int, int], _Block],
+    link_bytes_per_second: float | None,
+) -> tuple[list[StepShape], Any, dict[str, Any] | None]:
+    """The step plan with the model state alive through the step (the optimizers' state; the parameters of the
+    ParameterOffload blocks kept on the device), and the model-state levers dpcs chooses: how the "auto"
+    CompressedOptimizers keep their state (`cost/model_state.py`), and how many of the auto ParameterOffload
+    blocks are offloaded (`chosen_blocks`, offloaded in that order), at the least added time, theirs plus the
+    activation plan's (`solve/model_state.py`). Host levers and offloaded blocks are offered only where the
+    planning profile has a host link (`link_bytes_per_second`; on CPU the host is the device's memory).
+    Returns the shapes as planned (the choice counted in), the plan, and what was chosen (None without
+    optimizers or blocks)."""
+    now = _offloaded_now()
+    candidates = chosen_blocks(blocks, shapes)
+    forced = frozenset(n for s in shapes if s.offload_blocks for n in s.offload_blocks.names
+                       if n in now and n not in candidates)
+    auto = [o for o in optimizers if isinstance(o, CompressedOptimizer) and o.auto]
+    if not optimizers and not candidates:
+        counted = [with_offloaded(s, now) for s in shapes]
+        return counted, plan_step(counted, graphs, current, solved_decisions, settled), None
+    rates = None
+    if auto or (candidates and link_bytes_per_second is not None):
+        device = next((o.device() for o in optimizers if isinstance(o, CompressedOptimizer)), torch.device("cpu"))
+        rates = dataclasses.replace(measured_state_rates(str(device)), link_bytes_per_second=link_bytes_per_second)
+    offloadable = len(candidates) if link_bytes_per_second is not None else 0
+    state_levers: list[StateLever | None] = list(levers(host_is_device=link_bytes_per_second is None)) if auto else [None]
+
+    def parameter_ids(names) -> frozenset[int]:
+        ids = set()
+        for name in names:
+            po, module = blocks[name].offload(), blocks[name].module()
+            if po is not None and module is not None:
+                ids.update(id(p) for p in po.params[module])
+        return frozenset(ids)
+
+    plans: dict[tuple, tuple[list[StepShape], Any]] = {}
+    state_of: dict[tuple, int] = {}
+    options = []
+    for k in range(offloadable + 1):
+        out = forced | frozenset(candidates[:k])
+        ids = parameter_ids(out)
+        fixed = sum(o.device_state_bytes(ids) if isinstance(o, CompressedOptimizer) else optimizer_state_bytes(o)
+                    for o in optimizers if o not in auto)
+        kept = sum(b.parameter_bytes + b.gradient_bytes for n, b in blocks.items() if n in candidates[k:])
+        moved = sum(offload_seconds(blocks[n].parameter_bytes, blocks[n].gradient_bytes,
+                                    blocks[n].parameter_elements, rates) for n in candidates[:k])
+        counts = [o.state_shape(ids) for o in auto]
+        for lever in state_levers:
+            state = fixed + (sum(device_bytes(c, lever) for c in counts) if lever is not None else 0)
+            seconds = moved + (sum(added_seconds(c, lever, rates) for c in counts) if lever is not None else 0.0)
+            state_of[(lever, k)] = state
+            options.append(((lever, k), state + kept, seconds))
+
+    def plan_with(option: tuple, find_lowest: bool = False) -> StepWithState:
+        out = forced | frozenset(candidates[:option[1]])
+        counted = [dataclasses.replace(with_offloaded(s, out), outside_bytes=with_offloaded(s, out).outside_bytes
+                                       + state_of[option]) for s in shapes]
         plan = plan_step(counted, graphs, current, solved_decisions, settled, find_lowest)
-        plans[state_bytes] = (counted, plan)
+        plans[option] = (counted, plan)
         seconds = sum(plan_seconds(graphs[k].problem, plan.decisions[k]) for k in counted[plan.peak.shape].instances)
         return StepWithState(plan.feasible, seconds, plan.peak.bytes)
 
-    if not auto:
-        plan_with(0, find_lowest=True)
-        counted, plan = plans[0]
-        return counted, plan, {"chosen": False, "bytes": fixed}
-    device = auto[0].device()
-    rates = measured_state_rates(str(device))
-    options = []
-    for lever in levers(host_is_device=device.type == "cpu"):
-        counts = [o.state_shape() for o in auto]
-        options.append((lever, sum(device_bytes(c, lever) for c in counts),
-                        sum(added_seconds(c, lever, rates) for c in counts)))
+    if len(options) == 1 and not candidates:  # nothing to choose: the state as it is
+        (option, _, _), = options
+        plan_with(option, find_lowest=True)
+        counted, plan = plans[option]
+        return counted, plan, {"chosen": False, "bytes": state_of[option]}
     choice = choose_state_lever(options, plan_with)
     if not choice.step.feasible:
-        plan_with(choice.state_bytes, find_lowest=True)  # the plans of the smallest step peak, for the message
-    counted, plan = plans[choice.state_bytes]
+        plan_with(choice.lever, find_lowest=True)  # the plans of the smallest step peak, for the message
+    counted, plan = plans[choice.lever]
+    lever, k = choice.lever
     return counted, plan, {
-        "chosen": True, "format": choice.lever.format, "on_host": choice.lever.on_host,
-        "bytes": fixed + choice.state_bytes, "seconds": choice.state_seconds,
+        "chosen": True, "format": lever.format if lever else None, "on_host": lever.on_host if lever else None,
+        "offloaded_blocks": k, "offloadable_blocks": len(candidates),
+        "bytes": state_of[choice.lever], "seconds": choice.state_seconds,
         "activation_seconds": choice.step.activation_seconds,
-        "options": [[lever.describe(), nbytes, seconds] for lever, nbytes, seconds in options],
+        "options": [[_describe(o, len(candidates)), nbytes, seconds] for o, nbytes, seconds in options],
     }
+
+
+def _describe(option: tuple, candidates: int) -> str:
+    lever, k = option
+    parts = [lever.describe()] if lever is not None else []
+    if candidates:
+        parts.append(f"{k} of {candidates} blocks offloaded")
+    return ", ".join(parts)
 
 
 def _split(record: StepRecord) -> str:

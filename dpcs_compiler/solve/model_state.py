@@ -1,12 +1,11 @@
-"""Choosing how to keep optimizer state jointly with the activation plan: a pure function of the levers'
-costs and of what the step's activation planner can do with the memory each leaves."""
+"""Choosing how to keep model state (the optimizer state's format and place, which blocks' parameters live in
+host memory) jointly with the activation plan: a pure function of the options' costs and of what the step's
+activation planner can do with the memory each leaves."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
-
-from dpcs_compiler.cost.model_state import StateLever
+from collections.abc import Callable, Hashable, Sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,7 +19,7 @@ class StepWithState:
 
 @dataclasses.dataclass(frozen=True)
 class LeverChoice:
-    lever: StateLever
+    lever: Hashable  # the option chosen (`runtime/step.py`: a state lever and the blocks offloaded)
     state_bytes: int
     state_seconds: float
     step: StepWithState
@@ -30,29 +29,39 @@ class LeverChoice:
         return self.state_seconds + self.step.activation_seconds
 
 
-def choose_state_lever(options: Sequence[tuple[StateLever, int, float]],
-                       plan_with: Callable[[int], StepWithState]) -> LeverChoice:
-    """Of `options` (lever, its state bytes on the device, the seconds it adds), the one whose step fits with the
-    least added time in all (the lever's and the activation plan's, `plan_with(state bytes)`); if none fits,
-    the one with the fewest bytes (its step reaches the lowest peak).
+def choose_state_lever(options: Sequence[tuple[Hashable, int, float]],
+                       plan_with: Callable[[Hashable], StepWithState]) -> LeverChoice:
+    """Of `options` (an option, the model-state bytes it leaves on the device through the step, the seconds it
+    adds), the one whose step fits with the least added time in all (the option's and the activation plan's,
+    `plan_with(option)`); if none fits, the one with the fewest bytes (its step reaches the lowest peak).
 
-    A step that does not fit with some state bytes fits with no more (what is alive through the step only
-    adds): the fewest bytes are tried first, and no option with as many bytes as one that did not fit is
-    tried. Then levers go cheapest first, until one alone costs more than the best total found (activation
-    plans only add time)."""
+    A step that does not fit with some model-state bytes is taken not to fit with more (what is alive through
+    the step only adds): the fewest bytes are tried first (every option with that many, cheapest first, until one
+    fits), and no option with more bytes than one that did not fit is tried. (With offloaded blocks the bytes are where they are counted, not only how many; that
+    rule can then pass over an option that fits, never choose one that does not: every choice is planned.)
+    Then options go cheapest first, until one alone costs more than the best total found (activation plans
+    only add time)."""
     if not options:
         raise ValueError("no state lever to choose from")
-    fewest = min(options, key=lambda o: (o[1], o[2]))
-    best = LeverChoice(fewest[0], fewest[1], fewest[2], plan_with(fewest[1]))
+    fewest_bytes = min(o[1] for o in options)
+    best = None
+    for lever, nbytes, seconds in sorted((o for o in options if o[1] == fewest_bytes), key=lambda o: o[2]):
+        choice = LeverChoice(lever, nbytes, seconds, plan_with(lever))
+        if best is None or (choice.step.feasible and not best.step.feasible) or (
+                not best.step.feasible and choice.step.peak_bytes < best.step.peak_bytes):
+            best = choice
+        if best.step.feasible:
+            break
+    assert best is not None
     if not best.step.feasible:
         return best
     does_not_fit = None
     for lever, nbytes, seconds in sorted(options, key=lambda o: (o[2], o[1])):
         if seconds >= best.seconds:
             break
-        if lever == fewest[0] or (does_not_fit is not None and nbytes >= does_not_fit):
+        if nbytes == fewest_bytes or (does_not_fit is not None and nbytes > does_not_fit):
             continue
-        choice = LeverChoice(lever, nbytes, seconds, plan_with(nbytes))
+        choice = LeverChoice(lever, nbytes, seconds, plan_with(lever))
         if not choice.step.feasible:
             does_not_fit = nbytes if does_not_fit is None else min(does_not_fit, nbytes)
         elif choice.seconds < best.seconds:

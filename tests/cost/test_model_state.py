@@ -11,6 +11,7 @@ from dpcs_compiler.cost.model_state import (
     added_seconds,
     device_bytes,
     levers,
+    offload_seconds,
     step_transient_bytes,
     stored_bytes,
 )
@@ -48,6 +49,13 @@ def test_host_levers_are_offered_only_where_the_host_is_other_memory():
     assert len(levers(host_is_device=False)) == 8
     with pytest.raises(ValueError, match="host is its own memory"):
         added_seconds(SHAPE, StateLever("int8", True), StateRates(RATES.encode_seconds, RATES.decode_seconds, None))
+
+
+def test_an_offloaded_block_crosses_the_link_twice_its_gradients_once_and_steps_on_the_host():
+    rates = StateRates(RATES.encode_seconds, RATES.decode_seconds, 20e9, host_step_seconds=1e-9)
+    assert offload_seconds(4_000_000, 4_000_000, 1_000_000, rates) == pytest.approx(12e6 / 20e9 + 1e-3)
+    with pytest.raises(ValueError, match="host is its own memory"):
+        offload_seconds(1, 1, 1, StateRates(RATES.encode_seconds, RATES.decode_seconds, None))
 
 
 def test_bad_values_are_named():

@@ -7,6 +7,8 @@ import pytest
 
 from dpcs_compiler.cost.memory_model import RECOMPUTE, SAVE, Candidate, MemoryProblem, plan_memory
 from dpcs_compiler.cost.step_model import (
+    OffloadBlocks,
+    with_offloaded,
     GraphLevels,
     GraphStep,
     StepContext,
@@ -105,6 +107,42 @@ def test_blocks_brought_in_for_a_neighbour_count_in_that_calls_phase_only():
     assert contexts["B"] == StepContext(forward_bytes=20 + 40, backward_bytes=40 + 40)
     with pytest.raises(ValueError, match="call_forward_extra_bytes"):
         StepShape(instances=("B",), parameter_bytes=0, call_forward_extra_bytes=(1, 2))
+
+
+def offload_blocks(**changes) -> OffloadBlocks:
+    """Three blocks of 40, 30, 20 parameter bytes, one per call, each prefetching its neighbours (prefetch 1)."""
+    fields = dict(names=("a", "b", "c"), parameter_bytes=(40, 30, 20), gradient_bytes=(40, 30, 0),
+                  held_gradient_bytes=(4, 3, 2), uses=(frozenset({0}), frozenset({1}), frozenset({2})),
+                  ahead=(frozenset({1}), frozenset({2}), frozenset()),
+                  behind=(frozenset(), frozenset({0}), frozenset({1})))
+    return OffloadBlocks(**{**fields, **changes})
+
+
+def test_with_offloaded_moves_chosen_blocks_out_of_the_step_and_into_their_calls_and_neighbours():
+    blocks = offload_blocks()
+    kept = StepShape(instances=("B", "B", "B"), parameter_bytes=100 + 90, outside_bytes=7 + 9,
+                     call_parameter_bytes=(40, 30, 20), call_gradient_bytes=(40, 30, 0), offload_blocks=blocks)
+    assert with_offloaded(kept, set()) == kept
+    out = with_offloaded(kept, {"a", "c"})
+    assert out.parameter_bytes == 190 - 60 and out.outside_bytes == 16 - 6
+    assert out.call_parameter_bytes == (0, 30, 0) and out.call_gradient_bytes == (0, 30, 0)
+    # Block a is brought in for b's backward (behind), c for b's forward (ahead); b is kept: nothing for it.
+    assert out.call_forward_extra_bytes == (0, 20, 0) and out.call_backward_extra_bytes == (0, 40, 0)
+    graphs = {"B": graph("B", problem(), target=10_000, shared=60)}
+    # Offloading a block never raises a call's context: what it brings beside one call it no longer holds.
+    for chosen in ({"a"}, {"b"}, {"a", "b", "c"}):
+        for name, context in contexts_for([with_offloaded(kept, chosen)], graphs, {"B": 20}).items():
+            whole = contexts_for([kept], graphs, {"B": 20})[name]
+            assert context.forward_bytes <= whole.forward_bytes and context.backward_bytes <= whole.backward_bytes
+
+
+def test_offload_blocks_are_checked():
+    with pytest.raises(ValueError, match="for every block"):
+        offload_blocks(gradient_bytes=(1, 2))
+    with pytest.raises(ValueError, match="outside 0..2"):
+        offload_blocks(uses=(frozenset({3}), frozenset(), frozenset()))
+    with pytest.raises(ValueError, match="per-call uses"):
+        StepShape(instances=("B",), parameter_bytes=0, offload_blocks=offload_blocks())
 
 
 def test_step_peak_is_the_largest_call_and_names_it():

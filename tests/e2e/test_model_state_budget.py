@@ -5,11 +5,14 @@ CompressedOptimizer(states="auto") keeps its state."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from dpcs_compiler.cost.profiles import BUILTIN_PROFILES
 from dpcs_compiler.measure import measure_peak_memory, optimizer_state_bytes, resident_bytes
 from dpcs_compiler.models import workload
-from dpcs_compiler.report import step_records
+from dpcs_compiler.report import compile_records, step_records
 from dpcs_compiler.runtime import CompressedOptimizer
 from dpcs_compiler.stages.job import BudgetInfeasibleError
 from dpcs_testing import dpcs_compile
@@ -100,16 +103,18 @@ class _Stack(torch.nn.Module):
         return self.head(x)
 
 
-def train_offloaded(budget: int, prefetch: int | None, on_infeasible: str = "error") -> dict:
+def train_offloaded(budget: int, prefetch: int | None, on_infeasible: str = "error", auto: bool = False,
+                    **options) -> dict:
     """STEPS steps of the stack through dpcs with its blocks' parameters offloaded (prefetch None: not
-    offloaded), then one more forward and backward measured (parameters and state on the device counted in)."""
+    offloaded; auto: as the step planner chooses), then one more forward and backward measured (parameters and
+    state on the device counted in)."""
     from dpcs_compiler.runtime import ParameterOffload
 
     torch.manual_seed(0)
     net = _Stack()
-    offload = ParameterOffload(list(net.blocks), prefetch=prefetch) if prefetch is not None else None
+    offload = ParameterOffload(list(net.blocks), prefetch=prefetch, auto=auto) if prefetch is not None else None
     optimizer = CompressedOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-3), states="fp32", offload=offload)
-    compiled = dpcs_compile(net, memory_budget=budget, on_infeasible=on_infeasible)
+    compiled = dpcs_compile(net, memory_budget=budget, on_infeasible=on_infeasible, **options)
     x = torch.randn(64, 16)
 
     def forward_backward() -> None:
@@ -123,7 +128,9 @@ def train_offloaded(budget: int, prefetch: int | None, on_infeasible: str = "err
         state = optimizer_state_bytes(optimizer)
         on_device = [p for p in net.parameters() if p.untyped_storage().nbytes()]
         _, peak = measure_peak_memory(forward_backward)
-        return {"measured": peak.absolute(resident_bytes([*on_device, x]) + state), "record": step_records()[-1]}
+        return {"measured": peak.absolute(resident_bytes([*on_device, x]) + state), "record": step_records()[-1],
+                "offloaded": [i for i, b in enumerate(net.blocks) if offload and b in offload.offloaded_modules()],
+                "records": compile_records()}
     finally:
         if offload is not None:
             offload.close()
@@ -154,3 +161,31 @@ def test_offloaded_blocks_are_planned_in_the_step_and_meet_a_budget_the_resident
     assert resident["measured"] > budget
     assert met["record"].feasible and met["measured"] <= budget
     assert abs(met["measured"] - met["record"].predicted_peak_bytes) <= 0.01 * met["measured"]
+
+
+# A profile with a host link that is other memory than the device's, so offloading parameters saves device memory
+# (on this CPU the host copies are allocated before the measured step, outside it, as they are off a GPU).
+LINKED_PROFILE = dataclasses.replace(BUILTIN_PROFILES["reference-cpu"][1], host_to_device=8e9, device_to_host=8e9)
+
+
+def test_the_step_planner_chooses_which_blocks_to_offload():
+    """ParameterOffload(auto=True): the step planner keeps every block on the device when the budget allows it,
+    and offloads the fewest blocks a tighter budget needs (measured within it); where the host is the device's
+    own memory (the reference CPU profile), offloading saves nothing and no block is offloaded."""
+    kept = train_offloaded(10**9, 1, auto=True, hardware_profile=LINKED_PROFILE)
+    assert kept["offloaded"] == [] and kept["record"].optimizer_state["offloaded_blocks"] == 0
+    assert abs(kept["measured"] - kept["record"].predicted_peak_bytes) <= 0.01 * kept["measured"]
+    block = sum(p.numel() * 4 for p in _Block(256).parameters())
+    budget = kept["measured"] - 2 * block  # two blocks' parameters (and gradients and state) less than all kept
+    tight = train_offloaded(budget, 1, auto=True, hardware_profile=LINKED_PROFILE)
+    chosen = tight["record"].optimizer_state
+    print(f"budget {budget} B: all blocks kept {kept['measured']} B; dpcs offloaded blocks {tight['offloaded']} "
+          f"and measured {tight['measured']} B (predicted {tight['record'].predicted_peak_bytes} B); "
+          f"options {chosen['options']}")
+    assert chosen["offloadable_blocks"] == 4 and 0 < chosen["offloaded_blocks"] < 4
+    assert len(tight["offloaded"]) == chosen["offloaded_blocks"]
+    assert all(r.offloaded_values == 0 for r in tight["records"]), "no activation offloaded (host copies on CPU)"
+    assert tight["record"].feasible and tight["measured"] <= budget
+    assert abs(tight["measured"] - tight["record"].predicted_peak_bytes) <= 0.01 * tight["measured"]
+    on_cpu = train_offloaded(budget, 1, auto=True, on_infeasible="best")  # the reference CPU: host is the device
+    assert on_cpu["offloaded"] == [] and on_cpu["record"].optimizer_state["offloadable_blocks"] == 4

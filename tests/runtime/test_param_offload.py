@@ -157,6 +157,44 @@ def test_compressed_state_of_offloaded_parameters_stays_on_the_host_and_round_tr
     assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), twin.state_dict().values()))
 
 
+@pytest.mark.parametrize("states", ["fp32", "int8"])
+def test_blocks_switched_between_host_and_device_train_as_without_switching(states):
+    """`use()` between steps and between micro-batches (a gradient half accumulated on each side): parameters,
+    gradients and optimizer state follow the block, and training is what it is with no switch (fp32 state:
+    plain AdamW bit for bit)."""
+    reference_net, net = stack(), stack()
+    options = {"states": states, "min_elements": 0}
+    reference = (torch.optim.AdamW(reference_net.parameters(), lr=1e-2) if states == "fp32" else
+                 CompressedOptimizer(torch.optim.AdamW(reference_net.parameters(), lr=1e-2), **options))
+    offload = ParameterOffload(list(net.blocks), auto=True)
+    optimizer = CompressedOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2), offload=offload, **options)
+    choices = [[0, 1, 2, 3], [], [1, 3], [0, 2], [2], [0, 1, 2, 3], [3]]
+    generator = torch.Generator().manual_seed(3)
+    expected, got = [], []
+    for chosen in choices:
+        for micro_batch in range(2):
+            if micro_batch == 1:  # half the gradient accumulated as the blocks were, half as they are now
+                offload.use([net.blocks[i] for i in chosen])
+            x = torch.randn(8, 16, generator=generator)
+            for model, losses in ((reference_net, expected), (net, got)):
+                loss = model(x).square().mean()
+                loss.backward()
+                losses.append(loss.item())
+        reference.step(), optimizer.step()
+        reference.zero_grad(), optimizer.zero_grad()
+        assert offload.offloaded_modules() == [net.blocks[i] for i in chosen]
+        resident = [i for i, b in enumerate(net.blocks) if b.linear.weight.untyped_storage().nbytes()]
+        assert resident == [i for i in range(4) if i not in chosen]
+    assert expected == got
+    assert all(torch.equal(a, b) for a, b in zip(reference_net.state_dict().values(), net.state_dict().values()))
+    # The last choice offloads block 3 only: its state alone is in host memory.
+    def nbytes(value):
+        return value.nbytes if isinstance(value, Encoded) else value.untyped_storage().nbytes()
+
+    block3 = sum(nbytes(v) for p in net.blocks[3].parameters() for v in optimizer.state[p].values())
+    assert optimizer.state_bytes()["host"] == block3 > 0
+
+
 def test_a_plain_optimizer_on_offloaded_parameters_is_refused():
     net = stack()
     offload = ParameterOffload([net.blocks[0]])
@@ -174,9 +212,18 @@ def test_a_plain_optimizer_on_offloaded_parameters_is_refused():
         (lambda net: [], {}, "non-empty list of nn.Module"),
         (lambda net: [net.blocks, net.blocks[0]], {}, "must not contain each other: ModuleList contains Block"),
         (lambda net: [net.blocks[0]], {"prefetch": -1}, "prefetch must be an int >= 0; got -1"),
+        (lambda net: [net.blocks[0]], {"auto": "yes"}, "auto must be True or False; got 'yes'"),
     ],
 )
 def test_bad_input_is_named(modules, kwargs, message):
     net = stack()
     with pytest.raises(ValueError, match=message):
         ParameterOffload(modules(net), **kwargs)
+
+
+def test_use_names_only_its_own_modules():
+    net = stack()
+    offload = ParameterOffload([net.blocks[0]], auto=True)
+    with pytest.raises(ValueError, match="use\\(\\) names 1 modules this ParameterOffload was not given"):
+        offload.use([net.blocks[1]])
+    offload.close()
