@@ -16,7 +16,8 @@ optimizer step, zero_grad) under each strategy, each on its own copy of the mode
   torchao_int8   torchao.optim.AdamW8bit, where torchao imports
   dpcs@F         the model through dpcs (final compiler eager) with memory_budget F x adamw's device peak and
                  CompressedOptimizer(states="auto"): dpcs chooses how the state is kept with the activation
-                 plan (its budget bounds forward and backward; the optimizer step's transient is outside it)
+                 plan; its budget bounds the whole step, the optimizer step's temporaries included (warmed up
+                 at least DPCS_WARMUP steps: the planner measures the first optimizer steps and plans again)
 
 Device peak: what was allocated at the step's start on the device side (parameters, buffers, the input,
 optimizer state not in host buffers) plus the step's measured increase (CPU profiler; CUDA allocator). On
@@ -55,6 +56,7 @@ from dpcs_compiler.report import step_records  # noqa: E402
 from dpcs_compiler.runtime import CompressedOptimizer, ParameterOffload  # noqa: E402
 
 MiB = 2**20
+DPCS_WARMUP = 8  # steps before a dpcs run is measured: first plans, the optimizer step measured, planned again
 STRATEGIES = ("stateless", "adamw", "fp16", "int8", "int8_host", "fp32_host", "offload", "torchao_int8")
 
 
@@ -117,13 +119,13 @@ def measure_model(name: str, strategies: list[str], args: argparse.Namespace) ->
     w = bench_workload("gpt") if name == "gpt" else wide_gpt()
     runs: dict[str, dict] = {}
 
-    def measure(strategy: str, model: torch.nn.Module, run: Callable, optimizer, offload) -> dict:
+    def measure(strategy: str, model: torch.nn.Module, run: Callable, optimizer, offload, warmup: int) -> dict:
         def step() -> None:
             w.loss_fn(run(*w.inputs)).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-        for _ in range(args.warmup):
+        for _ in range(warmup):
             step()
         baseline = device_resident(model, w.inputs) + state_device_bytes(optimizer)
         _, peak = measure_peak_memory(step)
@@ -139,7 +141,7 @@ def measure_model(name: str, strategies: list[str], args: argparse.Namespace) ->
         except RuntimeError as error:
             runs[strategy] = {"error": str(error)}
             continue
-        runs[strategy] = measure(strategy, model, model, optimizer, offload)
+        runs[strategy] = measure(strategy, model, model, optimizer, offload, args.warmup)
     # dpcs's own choice: the model through dpcs with a budget of a fraction of plain AdamW's measured peak, the
     # optimizer's state kept as dpcs's step planner chooses (states="auto"), jointly with the activation plan.
     for fraction in (float(f) for f in args.dpcs_fractions.split(",") if f) if "adamw" in runs else ():
@@ -151,11 +153,12 @@ def measure_model(name: str, strategies: list[str], args: argparse.Namespace) ->
             "compiler": "eager", "memory_budget": budget, "on_infeasible": "best"})
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # an infeasible budget warns: recorded below
-            run = measure(f"dpcs@{fraction}", model, compiled, optimizer, None)
+            run = measure(f"dpcs@{fraction}", model, compiled, optimizer, None, max(args.warmup, DPCS_WARMUP))
         record = step_records()[-1] if step_records() else None
         run["budget"] = budget
         run["chosen"] = (record.optimizer_state or {}).get("format") if record else None
-        run["predicted_forward_backward_peak"] = record.predicted_peak_bytes if record else None
+        run["predicted_peak"] = record.predicted_peak_bytes if record else None
+        run["peak_phase"] = record.peak_phase if record else None
         run["feasible"] = record.feasible if record else None
         runs[f"dpcs@{fraction}"] = run
     timed = [s for s in runs if "step" in runs[s]]
@@ -172,7 +175,7 @@ def measure_model(name: str, strategies: list[str], args: argparse.Namespace) ->
             rows[strategy] = run
             continue
         row = {k: run[k] for k in ("device_peak", "optimizer_state_device", "host", "parameters_device", "budget",
-                                   "chosen", "predicted_forward_backward_peak", "feasible") if k in run}
+                                   "chosen", "predicted_peak", "peak_phase", "feasible") if k in run}
         row["step_seconds"] = statistics.median(run["times"])
         if plain.get("times"):
             row["time_ratio"] = row["step_seconds"] / statistics.median(plain["times"])

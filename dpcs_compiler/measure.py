@@ -161,6 +161,11 @@ class CpuMemoryProfile:
             peaks[later] = level
         return peaks
 
+    def level(self) -> int:
+        """The bytes allocated above the level at `start()` when it stopped; stops the profiler."""
+        return sum(e.nbytes() for e in self._stopped_events()
+                   if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+
     def peak_increase_bytes(self) -> int:
         """The highest bytes allocated above the level at `start()`; stops the profiler first."""
         return self.window_peaks(())[0]
@@ -201,7 +206,8 @@ def measure_peak_memory(fn: Callable[..., T], *args: Any, device: str | torch.de
 
 @dataclasses.dataclass(frozen=True)
 class StepMeasurement:
-    """One compiled training step (forward + backward, gradients set to None before it), measured.
+    """One compiled training step (forward + backward, and the optimizer's step when one is given; gradients
+    set to None before it), measured.
 
     predicted_peak_bytes is dpcs's simulated peak of the step's graph (None unless the step compiled to
     exactly one training graph: a step of several graphs is not one simulated timeline yet).
@@ -232,8 +238,10 @@ def measure_training_step(
     device: str | torch.device = "cpu",
     predicted_peak_bytes: int | None = None,
     held_bytes: int = 0,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> StepMeasurement:
-    """Warm up (compiles), measure one step's peak memory, then time `repeats` steps; median time.
+    """Warm up (compiles), measure one step's peak memory, then time `repeats` steps; median time. With an
+    `optimizer`, each step ends with its step (the parameters train on): the peak is the whole step's.
 
     The prediction compared against is `predicted_peak_bytes`, else that of the one training graph the
     warm-up compiled (None when it compiled none, e.g. already compiled, or several). `held_bytes`: memory
@@ -248,6 +256,8 @@ def measure_training_step(
         out = compiled(*inputs)
         loss = out if loss_fn is None else loss_fn(out)
         loss.backward()
+        if optimizer is not None:
+            optimizer.step()
 
     for _ in range(warmup):
         step()

@@ -107,7 +107,8 @@ class StepRecord:
     calls: the graph of each forward call of the step where the peak is, in call order (a graph called per
         layer appears per call);
     peak_graph / peak_node / peak_phase: the graph, schedule node and phase at the predicted peak (phase
-        "turn": after the step's last forward, where eager code such as a loss runs, before its backward);
+        "turn": after the step's last forward, where eager code such as a loss runs, before its backward;
+        "optimizer": the optimizer step after the step's last backward);
     replanned: the graphs were re-planned for the step (False: their own plans already fit it);
     holds_most: the graph that keeps the most for its backward while the others run.
     """
@@ -127,6 +128,10 @@ class StepRecord:
     # The prediction a measured step is checked against: the highest inside the graphs, and at the turn.
     graphs_peak_bytes: int | None = None
     turn_peak_bytes: int | None = None
+    end_bytes: int | None = None  # and what the step holds once its backwards ended (an optimizer step starts)
+    # Measured in the optimizer step after the step, beyond what it holds at its end (its temporaries, and what
+    # the training loop holds then); None: no optimizer step follows the step seen.
+    optimizer_bytes: int | None = None
     shapes: int = 1  # step orders planned for together (a data-dependent branch makes several)
     contexts: dict[str, dict[str, Any] | None] = dataclasses.field(default_factory=dict)
     parameter_bytes: int = 0  # the step's parameters (counted once)
@@ -137,11 +142,14 @@ class StepRecord:
 
     def split(self) -> dict[str, int]:
         """The predicted peak in parts: parameters, optimizer state, other memory alive through the step
-        (gradients of earlier micro-batches, memory measured outside the graphs), activations and gradients."""
+        (gradients of earlier micro-batches, memory measured outside the graphs), activations and gradients,
+        and, when the peak is in the optimizer step, what that step allocates on top (its temporaries)."""
         state = (self.optimizer_state or {}).get("bytes", 0)
         other = max(0, self.outside_bytes - state)
+        step = (self.optimizer_bytes or 0) if self.peak_phase == "optimizer" else 0
         return {"parameters": self.parameter_bytes, "optimizer_state": state, "outside_graphs": other,
-                "activations_and_gradients": self.predicted_peak_bytes - self.parameter_bytes - state - other}
+                "activations_and_gradients": self.predicted_peak_bytes - self.parameter_bytes - state - other - step,
+                "optimizer_step": step}
 
     def to_json(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "split": self.split()}
@@ -187,6 +195,8 @@ def describe_step(record: StepRecord | dict[str, Any]) -> str:
         calls[c] = calls.get(c, 0) + 1
     if r["peak_phase"] == "turn":
         where = f"at the step's turn, after the forward of {r['peak_graph']} (eager code there included)"
+    elif r["peak_phase"] == "optimizer":
+        where = f"in the optimizer step after the backward of {r['peak_graph']}"
     else:
         where = f"in {r['peak_graph']}" + (f" {r['peak_phase']}" if r["peak_phase"] else "") + f" at {r['peak_node'] or '?'}"
     budget = "no budget" if r["budget_bytes"] is None else f"budget {format_bytes(r['budget_bytes'])}"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Hashable, Mapping
 
 FORMATS = ("fp32", "bf16", "fp16", "int8")
 _ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
@@ -86,6 +86,20 @@ def step_transient_bytes(shape: OptimizerStateShape, lever: StateLever) -> int:
     if lever == StateLever():
         return 0
     return 4 * min(shape.chunk_elements, shape.stored_elements)
+
+
+def estimated_step_transient(measured: Mapping[Hashable, int], regime: Hashable,
+                             decoded: Callable[[Hashable], int]) -> int | None:
+    """The bytes an optimizer step allocates beyond its start and end (its temporaries) when the model state is
+    kept as `regime` says (any hashable: a lever and the blocks offloaded), from those `measured` under other
+    regimes: as measured under `regime` itself; else the most measured under any other, plus what `regime`
+    decodes at once beyond it (`decoded`: a regime's full-precision chunk bytes). An estimate on the high
+    side: a regime that decodes less is not credited for it until it is measured. None: nothing measured."""
+    if not measured:
+        return None
+    if regime in measured:
+        return measured[regime]
+    return max(nbytes + max(0, decoded(regime) - decoded(other)) for other, nbytes in measured.items())
 
 
 def added_seconds(shape: OptimizerStateShape, lever: StateLever, rates: StateRates) -> float:

@@ -18,7 +18,8 @@ recomputed or offloaded is) and its highest (everything saved); one fraction `le
 graphs, the largest for which every graph has a plan within the budget, found on a grid and refined by
 bisection (feasibility is not monotone near the lowest level: recomputing everything raises backward peaks). The step's
 predicted peak is then one number, the largest over its graph instances of own peak plus context, with the
-graph and node where it happens.
+graph and node where it happens; the step's turn (eager code between its last forward and first backward) and
+the optimizer step after it (what the step holds at its end plus the optimizer's temporaries) are phases too.
 
 Everything here is pure: problems and plain numbers in, contexts and peaks out; the solver is passed in.
 """
@@ -218,6 +219,13 @@ class StepShape:
     turn_bytes: int = 0
     # Blocks whose parameters may be offloaded (counted above as kept); `with_offloaded` counts a choice.
     offload_blocks: OffloadBlocks | None = None
+    # The optimizer step after the step's last backward (None: none follows, as after a micro-batch): what it
+    # allocates beyond what the step holds when its backwards end (its temporaries, a compressed state's
+    # decoded chunk), and what the training loop holds then that no graph shows (a loss's logits); measured.
+    optimizer_bytes: int | None = None
+    # Of `outside_bytes`: gradients from earlier micro-batches that this step's gradients are added into (both
+    # alive while its backward runs, one of them once it ended).
+    accumulated_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.offload_blocks is not None and (
@@ -270,10 +278,12 @@ def with_offloaded(shape: StepShape, offloaded: Set[Hashable]) -> StepShape:
     p, g = blocks.parameter_bytes, blocks.gradient_bytes
     ahead = shape.call_forward_extra_bytes or (0,) * n
     behind = shape.call_backward_extra_bytes or (0,) * n
+    held = sum(blocks.held_gradient_bytes[b] for b in out)
     return dataclasses.replace(
         shape,
         parameter_bytes=shape.parameter_bytes - sum(p[b] for b in out),
-        outside_bytes=shape.outside_bytes - sum(blocks.held_gradient_bytes[b] for b in out),
+        outside_bytes=shape.outside_bytes - held,
+        accumulated_bytes=max(0, shape.accumulated_bytes - held),
         call_parameter_bytes=tuple(
             shape.call_parameter_bytes[i] - sum(p[b] for b in blocks.uses[i] & out) for i in range(n)),
         call_gradient_bytes=tuple(
@@ -286,6 +296,15 @@ def with_offloaded(shape: StepShape, offloaded: Set[Hashable]) -> StepShape:
 
 
 TURN = "turn"  # the phase of a step's turn: after its last forward, before its first backward (eager code there)
+OPTIMIZER = "optimizer"  # the optimizer step after the step's last backward (its temporaries on top of the step's end)
+
+
+def end_bytes(shape: StepShape, graphs: Mapping[str, GraphStep]) -> int:
+    """What the step holds once its last backward ended: its parameters, the memory outside its graphs (the
+    optimizers' state among it) and the gradients its calls left, those added into gradients already held
+    counted once."""
+    gradients = sum(shape.call_gradient_bytes or tuple(graphs[k].gradient_bytes for k in shape.instances))
+    return shape.parameter_bytes + shape.outside_bytes + gradients - min(shape.accumulated_bytes, gradients)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,7 +315,8 @@ class StepPeak:
     graph: str  # the graph key
     shape: int  # which step shape (index into the shapes planned for)
     instance: int  # which call of that step (index into StepShape.instances)
-    phase: str  # "forward", "backward", or TURN (then graph/step: the last forward call, at its boundary)
+    phase: str  # "forward", "backward", TURN (then graph/step: the last forward call, at its boundary), or
+    # OPTIMIZER (then graph/step: the first call, whose backward ends the step, at its last step)
     step: int  # the schedule step in that graph's own problem
 
 
@@ -340,10 +360,11 @@ def step_peak(
     shapes: Sequence[StepShape],
     graphs: Mapping[str, GraphStep],
     levels: Mapping[str, GraphLevels],
-    phases: Sequence[str] = ("forward", "backward", TURN),
+    phases: Sequence[str] = ("forward", "backward", TURN, OPTIMIZER),
 ) -> StepPeak:
-    """The step's peak under each graph's plan: at every call, its own peak plus what the others hold; and at
-    each shape's turn, what the last call holds at its boundary, plus what the others hold, plus `turn_bytes`."""
+    """The step's peak under each graph's plan: at every call, its own peak plus what the others hold; at
+    each shape's turn, what the last call holds at its boundary, plus what the others hold, plus `turn_bytes`;
+    and in the optimizer step that follows a shape, what the step holds at its end plus `optimizer_bytes`."""
     held = {k: graphs[k].held(levels[k].boundary) for k in levels}
     best: StepPeak | None = None
     for s, i, key, during_forward, during_backward in _calls(shapes, graphs, held):
@@ -358,6 +379,12 @@ def step_peak(
                 continue
             if at >= 0 and (best is None or own + extra > best.bytes):
                 best = StepPeak(own + extra, key, s, i, phase, at)
+    for s, shape in enumerate(shapes):
+        if OPTIMIZER in phases and shape.optimizer_bytes is not None and shape.instances:
+            nbytes = end_bytes(shape, graphs) + shape.optimizer_bytes
+            if best is None or nbytes > best.bytes:
+                first = shape.instances[0]
+                best = StepPeak(nbytes, first, s, 0, OPTIMIZER, graphs[first].problem.steps - 1)
     if best is None:
         raise ValueError("a step needs at least one graph call")
     return best
@@ -365,10 +392,12 @@ def step_peak(
 
 def predicted_levels(
     shapes: Sequence[StepShape], graphs: Mapping[str, GraphStep], levels: Mapping[str, GraphLevels]
-) -> tuple[int, int]:
+) -> tuple[int, int, int]:
     """What a measured step is checked against: the highest predicted bytes inside the graphs' forwards and
-    backwards, and at the step's turn."""
-    return step_peak(shapes, graphs, levels, ("forward", "backward")).bytes, step_peak(shapes, graphs, levels, (TURN,)).bytes
+    backwards, at the step's turn, and held when its last backward ended (before an optimizer step)."""
+    return (step_peak(shapes, graphs, levels, ("forward", "backward")).bytes,
+            step_peak(shapes, graphs, levels, (TURN,)).bytes,
+            max(end_bytes(s, graphs) for s in shapes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -421,7 +450,8 @@ def plan_step(
     target = min(g.target for g in graphs.values())
     levels = {k: GraphLevels.of(graphs[k].problem, current[k]) for k in graphs}
     peak = step_peak(shapes, graphs, levels)
-    alone = all(len(s.instances) == 1 and s.outside_bytes == 0 and s.turn_bytes == 0 for s in shapes) and len(graphs) == 1
+    alone = all(len(s.instances) == 1 and s.outside_bytes == 0 and s.turn_bytes == 0 and not s.optimizer_bytes
+                for s in shapes) and len(graphs) == 1
     if peak.bytes <= target and settled or alone:
         return StepPlan(dict.fromkeys(graphs), dict(current), levels, peak, peak.bytes <= target, None, 0, alone)
     search = _LevelSearch(shapes, graphs, solver)

@@ -44,6 +44,7 @@ import torch.utils._pytree as pytree
 
 from dpcs_compiler import rank_agreement
 from dpcs_compiler.cost.step_model import (
+    OPTIMIZER,
     TURN,
     GraphLevels,
     GraphStep,
@@ -51,6 +52,7 @@ from dpcs_compiler.cost.step_model import (
     StepContext,
     StepShape,
     boundary_level,
+    end_bytes,
     plan_step,
     predicted_levels,
     with_offloaded,
@@ -59,7 +61,15 @@ from dpcs_compiler.debug.render import format_bytes
 from dpcs_compiler.measure import BEFORE_PROFILING, CpuMemoryProfile, optimizer_state_bytes
 from dpcs_compiler.report import _ON_CLEAR, STEPS_FILE, StepRecord, add_step_record
 from dpcs_compiler.cost.memory_model import plan_seconds
-from dpcs_compiler.cost.model_state import StateLever, added_seconds, device_bytes, levers, offload_seconds
+from dpcs_compiler.cost.model_state import (
+    StateLever,
+    added_seconds,
+    device_bytes,
+    estimated_step_transient,
+    levers,
+    offload_seconds,
+    step_transient_bytes,
+)
 from dpcs_compiler.runtime.compressed_optimizer import INSTANCES, CompressedOptimizer, measured_state_rates
 from dpcs_compiler.runtime.param_offload import INSTANCES as OFFLOADS
 from dpcs_compiler.runtime.param_offload import ParameterOffload
@@ -78,6 +88,7 @@ STABLE_STEPS = 2
 CORRECTION_MIN_BYTES = 64 * 1024
 CORRECTION_MIN_FRACTION = 0.002
 MAX_CORRECTIONS = 2  # complete steps of known shapes after which the recorder stops watching
+MAX_TRANSIENT_UPDATES = 4  # times an optimizer step's measured temporaries re-plan a step shape
 MAX_PENDING_CALLS = 100_000  # forward calls without their backwards after which a recording is dropped
 _step_ids = itertools.count()
 
@@ -124,9 +135,8 @@ class StepRecorder:
         """Forget every graph and step seen (their graphs stay as they are compiled)."""
         for d in list(getattr(self, "participants", ())):
             d._watch = False
-        if getattr(self, "due_hook", None) is not None:
-            self.due_hook.remove()
-        for meter in (getattr(self, "meter", None), (getattr(self, "due", None) or (None,))[0]):
+        for meter in (getattr(self, "meter", None), (getattr(self, "due", None) or (None,))[0],
+                      getattr(self, "optimizer_meter", None)):
             if meter is not None:
                 meter.discard()  # a measurement under way or waiting is dropped (no collective here)
         self.participants: weakref.WeakSet[GraphDispatcher] = weakref.WeakSet()
@@ -142,13 +152,26 @@ class StepRecorder:
         # the meter of the step being measured, and per shape what was measured beyond the plan, counted.
         self.verify_in: int | None = None
         self.meter: _Meter | None = None
-        self.predicted: tuple[int, int] | None = None  # (peak outside the step's turn, at its turn), planned
+        # (peak outside the step's turn, at its turn, held when its backwards end), and the step's peak, planned
+        self.predicted: tuple[int, int, int] | None = None
+        self.predicted_peak = 0
         self.predicted_state_bytes = 0  # the optimizers' state that prediction counts
         self.measuring = False  # this step is measured (every rank alike; `meter` None where it cannot be)
         self.due: tuple[_Meter | None, tuple | None] | None = None  # a measured step waiting to be read
-        self.due_hook: Any = None  # the optimizer step pre-hook that reads it
         self.outside_measured: dict[tuple, int] = {}
         self.turn_measured: dict[tuple, int] = {}
+        # The optimizer step after a watched step (`_OptimizerMeter`): the step's key while one may follow, the
+        # meter of the optimizer step under way, and the most its steps allocated beyond what they started and
+        # ended with, per kind of step (steady; or making new state, a first step). Per shape: the temporaries
+        # measured (beyond the decoded chunks of "auto" CompressedOptimizers, which each lever counts itself) and
+        # whether from a steady step, how often they were updated, and what the training loop held when the
+        # step's backwards ended beyond its plan (`_correct`).
+        self.optimizer_key: tuple | None = None
+        self.optimizer_meter: _OptimizerMeter | None = None
+        self.optimizer_seen: dict[bool, int] = {}
+        self.transient_measured: dict[tuple, dict[tuple, tuple[int, bool]]] = {}  # step key -> `_regime` -> figure
+        self.transient_updates: dict[tuple, int] = {}
+        self.end_measured: dict[tuple, int] = {}
         self.corrections: dict[tuple, int] = {}
         self.quiet = 0
         self.to_plan = False
@@ -192,6 +215,7 @@ class StepRecorder:
 
     def _reset(self) -> None:
         self.calls, self.pending = [], 0
+        self.optimizer_key, self.optimizer_seen = None, {}
 
     def call(self, dispatcher: GraphDispatcher, args: Sequence[Any]) -> Any:
         """Run one watched call, noting it when it starts an autograd graph."""
@@ -200,6 +224,8 @@ class StepRecorder:
             if not dispatcher._watch:  # it was the last step to watch: this one is only noted
                 self.glance(dispatcher)
                 return dispatcher._fn(*args)
+        if self.pending == 0 and self.optimizer_key is not None:
+            self._optimizer_measured()
         if not torch.is_grad_enabled():
             return dispatcher._fn(*args)
         if self.to_plan and self.pending == 0:
@@ -304,6 +330,7 @@ class StepRecorder:
         shape, refs = self._shape(calls, self.blocks)
         key = (shape.instances, tuple(c.bucket for c in calls))
         self.latest, self.latest_key = key[1], key
+        self.optimizer_key, self.optimizer_seen = key, {}  # an optimizer step may follow: measured
         if self.verify_in is not None and self.verify_in > 0:
             self.verify_in -= 1
         if measuring:
@@ -325,42 +352,109 @@ class StepRecorder:
         torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
 
     def _due(self, meter: _Meter | None, step: tuple | None) -> None:
+        """A measured step to read (`finish_reading`) at the next call, the optimizer's step (`optimizer_starts`)
+        or a measure."""
         self.due = (meter, step)
-        if self.due_hook is None:
-            from torch.optim.optimizer import register_optimizer_step_pre_hook
+        _watch_optimizers()
 
-            self.due_hook = register_optimizer_step_pre_hook(lambda *_: self.finish_reading())
+    def optimizer_starts(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer's step starts (every optimizer's step pre-hook): the step before it is read, what it holds
+        now included, and the optimizer step is measured if it follows a watched step."""
+        if _inner(optimizer):
+            return
+        if self.due is not None:
+            self.finish_reading(at_optimizer_step=True)
+        if self.optimizer_key is not None and self.optimizer_meter is None:
+            # None where it cannot be measured (another profiler runs on CPU): nothing is learnt from this one.
+            self.optimizer_meter = _OptimizerMeter.start(optimizer)
 
-    def finish_reading(self) -> None:
+    def optimizer_ends(self, optimizer: torch.optim.Optimizer) -> None:
+        meter = self.optimizer_meter
+        if meter is not None and meter.optimizer() is optimizer:
+            self.optimizer_meter = None
+            transient, grown = meter.read()
+            steady = grown <= max(CORRECTION_MIN_BYTES, int(CORRECTION_MIN_FRACTION * transient))
+            self.optimizer_seen[steady] = max(self.optimizer_seen.get(steady, 0), transient)
+
+    def _optimizer_measured(self) -> None:
+        """The optimizer steps after the last watched step are over (its next forward call starts): what they
+        allocated beyond their start and end, less the decoded chunks of "auto" CompressedOptimizers (each lever
+        counts its own), is the step's `optimizer_bytes`. A step that made new state (a first step) counts only
+        until a steady one is measured; a steady figure replaces what was known when it differs. The step is
+        planned again when it changes. In a distributed job the ranks' figures are combined (the largest)."""
+        key, seen = self.optimizer_key, self.optimizer_seen
+        self.optimizer_key, self.optimizer_seen = None, {}
+        if self.optimizer_meter is not None:  # a step that never ended (it raised)
+            self.optimizer_meter.discard()
+            self.optimizer_meter = None
+        steady = True in seen
+        value = seen[True] if steady else seen.get(False)
+        if self._ranks_agree():
+            everyone = [v for v in rank_agreement.every_rank((value, steady)) if v[0] is not None]
+            steady = any(s for _, s in everyone)
+            value = max((v for v, s in everyone if s == steady), default=None)
+        if value is None or key not in self.shapes:
+            return
+        regime = _regime(self.optimizers, _offloaded_now())
+        table = self.transient_measured.setdefault(key, {})
+        known, known_steady = table.get(regime, (None, False))
+        tolerance = max(CORRECTION_MIN_BYTES, int(CORRECTION_MIN_FRACTION * value))
+        if known is not None and (known_steady and not steady or steady == known_steady and abs(value - known) <= tolerance
+                                  or self.transient_updates.get(key, 0) > MAX_TRANSIENT_UPDATES):
+            return
+        table[regime] = (value, steady)
+        self.transient_updates[key] = self.transient_updates.get(key, 0) + 1
+        shape, refs = self.shapes[key]
+        self.shapes[key] = (dataclasses.replace(shape, optimizer_bytes=self._optimizer_bytes(key)), refs)
+        log.info("dpcs: the optimizer step after the step allocated %d B beyond its start and end (%s)%s", value,
+                 "steady" if steady else "making its state", "; planned again" if not self.to_plan else "")
+        self.quiet = 0
+        self.to_plan = True
+
+    def _transients(self, key: tuple) -> dict[tuple, int]:
+        """A step shape's measured optimizer-step temporaries by `_regime`: the steady ones once there are any
+        (a first step's, making its state, says little about a later one's)."""
+        table = self.transient_measured.get(key, {})
+        steady = any(s for _, s in table.values())
+        return {regime: nbytes for regime, (nbytes, s) in table.items() if s or not steady}
+
+    def _optimizer_bytes(self, key: tuple) -> int | None:
+        """A step shape's `optimizer_bytes` as the model state is kept now: its optimizer step's temporaries
+        (measured, or estimated from other regimes) and what the loop held beyond its plan at its end."""
+        transient = estimated_step_transient(self._transients(key), _regime(self.optimizers, _offloaded_now()),
+                                             _decoded(self.optimizers, self.blocks))
+        return None if transient is None else transient + self.end_measured.get(key, 0)
+
+    def finish_reading(self, at_optimizer_step: bool = False) -> None:
         """Read the measured step (from the training thread, outside a backward: a CPU profiler is stopped
-        here), and count what it shows. In a distributed job every rank reads at the same point of its
-        training loop and the ranks' readings are combined (the largest), so every rank decides alike."""
-        if self.due_hook is not None:
-            self.due_hook.remove()
-            self.due_hook = None
+        here), and count what it shows; read at an optimizer's step, what the step holds at its end too. In a
+        distributed job every rank reads at the same point of its training loop and the ranks' readings are
+        combined (the largest), so every rank decides alike."""
         due, self.due = self.due, None
         if due is None:
             return
         meter, step = due
-        reading = meter.read(step[3]) if meter is not None and step is not None else None
+        reading = meter.read(step[3], at_optimizer_step) if meter is not None and step is not None else None
         if reading is not None:
-            reading = (reading[0] - step[4], reading[1] - step[4])
+            reading = tuple(None if r is None else r - step[4] for r in reading)
         if meter is not None:
             meter.discard()
         if self._ranks_agree():
             readings = [r for r in rank_agreement.every_rank(reading) if r is not None]
-            reading = (max(r[0] for r in readings), max(r[1] for r in readings)) if readings else None
+            reading = tuple(max((r[i] for r in readings if r[i] is not None), default=None) for i in range(3)) \
+                if readings else None
         if step is not None:
             key, shape, refs, _, _ = step
             self._settle(key, shape, refs, reading)
 
-    def _settle(self, key: tuple, shape: StepShape, refs: list, measured: tuple[int, int] | None) -> None:
+    def _settle(self, key: tuple, shape: StepShape, refs: list, measured: tuple[int, int, int | None] | None) -> None:
         """A complete step of `shape`: count what its measurement (if any) shows beyond the plan, then plan it
         if it is new or more demanding than the shape known, or count it towards stopping the watch."""
         shape = dataclasses.replace(
             shape,
             outside_bytes=shape.outside_bytes + self.outside_measured.get(key, 0),
             turn_bytes=shape.turn_bytes + self.turn_measured.get(key, 0),
+            optimizer_bytes=self._optimizer_bytes(key),
         )
         corrected = False
         if measured is not None and self.predicted is not None:
@@ -396,35 +490,44 @@ class StepRecorder:
         """In a distributed job whose graphs agree on plans, every rank takes the step recorder's decisions."""
         return rank_agreement.world() is not None and all(d.options.rank_agreement for d in self.participants)
 
-    def _correct(self, key: tuple, shape: StepShape, measured: tuple[int, int], refs: list) -> None:
+    def _correct(self, key: tuple, shape: StepShape, measured: tuple[int, int, int | None], refs: list) -> None:
         """Count what a measured planned step held beyond its plan, and plan it again (at most twice a shape).
 
-        `measured` and `self.predicted` are (the peak outside the step's turn, at its turn). Beyond the plan
-        outside the turn (memory no graph shows: collectives in flight, eager code between graphs) counts as
-        alive throughout the step; beyond it at the turn (a loss in eager code) counts at the turn only."""
+        `measured` and `self.predicted` are (the peak outside the step's turn, at its turn, held when its
+        backwards ended; measured only when an optimizer step follows). Beyond the plan outside the turn
+        (memory no graph shows: collectives in flight, eager code between graphs) counts as alive throughout
+        the step; beyond it at the turn (a loss in eager code) counts at the turn only; beyond it at the end
+        (what the training loop holds then: a loss's logits) counts in the optimizer step."""
         assert self.predicted is not None
-        predicted_graphs, predicted_turn = self.predicted
+        predicted_graphs, predicted_turn, predicted_end = self.predicted
         tolerance = max(CORRECTION_MIN_BYTES, int(CORRECTION_MIN_FRACTION * max(self.predicted)))
         outside = max(0, measured[0] - predicted_graphs)
         outside = outside if outside > tolerance else 0
         turn = max(0, measured[1] - predicted_turn - outside)  # the turn's prediction counts `outside` too
         turn = turn if turn > tolerance else 0
-        if not outside and not turn:
+        end = max(0, measured[2] - predicted_end - outside) if measured[2] is not None else 0
+        end = end if end > tolerance and shape.optimizer_bytes is not None else 0
+        if not outside and not turn and not end:
             return
         if self.corrections.get(key, 0) >= MAX_CORRECTIONS:
-            log.warning("dpcs: the step measured %d B beyond its plan again; not planned again", max(outside, turn))
+            log.warning("dpcs: the step measured %d B beyond its plan again; not planned again", max(outside, turn, end))
             return
         self.outside_measured[key] = self.outside_measured.get(key, 0) + outside
         self.turn_measured[key] = self.turn_measured.get(key, 0) + turn
-        shape = dataclasses.replace(shape, outside_bytes=shape.outside_bytes + outside, turn_bytes=shape.turn_bytes + turn)
+        self.end_measured[key] = self.end_measured.get(key, 0) + end
+        shape = dataclasses.replace(
+            shape, outside_bytes=shape.outside_bytes + outside, turn_bytes=shape.turn_bytes + turn,
+            optimizer_bytes=None if shape.optimizer_bytes is None else shape.optimizer_bytes + end)
         self.shapes[key] = (shape, refs)
         # Planned again only if what was counted raises the step's predicted peak (a turn below the graphs' peak
         # changes nothing now; later plans of the step count it).
-        replan = max(predicted_graphs + outside, predicted_turn + outside + turn) > max(self.predicted)
+        optimizer_peak = (predicted_end + outside + shape.optimizer_bytes) if shape.optimizer_bytes is not None else 0
+        replan = max(predicted_graphs + outside, predicted_turn + outside + turn, optimizer_peak) > self.predicted_peak
         log.info(
             "dpcs: the step measured %d B beyond its plan's %d B outside its turn (counted as memory outside its "
-            "graphs) and %d B beyond its %d B at its turn (counted as eager code's there)%s",
-            outside, predicted_graphs, turn, predicted_turn, "; planned again" if replan else "",
+            "graphs), %d B beyond its %d B at its turn (counted as eager code's there) and %d B beyond its %d B "
+            "at its end (counted in the optimizer step)%s",
+            outside, predicted_graphs, turn, predicted_turn, end, predicted_end, "; planned again" if replan else "",
         )
         if replan:
             self.corrections[key] = self.corrections.get(key, 0) + 1
@@ -452,6 +555,7 @@ class StepRecorder:
             # FSDP2: every rank keeps its shards; each block's gathered parameters live for its call only.
             parameter_bytes=sum(parameters.values()) + (fsdp.shard_bytes if fsdp else 0),
             outside_bytes=sum(gradients.values()) + sum(outside.values()) + (fsdp.gradient_bytes if fsdp else 0),
+            accumulated_bytes=sum(gradients.values()) + (fsdp.gradient_bytes if fsdp else 0),
             inputs_held_before=tuple(inputs_held_before),
             held_twice=tuple(held_twice),
             call_parameter_bytes=tuple(sum(c.parameters.values()) for c in calls),
@@ -467,6 +571,7 @@ class StepRecorder:
                 shape,
                 parameter_bytes=shape.parameter_bytes + sum(offload.parameter_bytes),
                 outside_bytes=shape.outside_bytes + sum(offload.held_gradient_bytes),
+                accumulated_bytes=shape.accumulated_bytes + sum(offload.held_gradient_bytes),
                 call_parameter_bytes=tuple(n + sum(offload.parameter_bytes[b] for b in offload.uses[i])
                                            for i, n in enumerate(shape.call_parameter_bytes)),
                 call_gradient_bytes=tuple(n + sum(offload.gradient_bytes[b] for b in offload.uses[i])
@@ -532,7 +637,7 @@ class StepRecorder:
         optimizers = list(self.optimizers)
 
         def decide() -> tuple[StepRecord | None, str | None]:
-            return self._decide(shapes, dispatchers, optimizers, self.blocks)
+            return self._decide(shapes, dispatchers, optimizers, self.blocks, [self._transients(k) for k in planned])
 
         record, message = rank_agreement.from_rank_zero(decide, "step plan") if agreeing else decide()
         self.plans += 1
@@ -551,6 +656,7 @@ class StepRecorder:
                 g, decisions = graph
                 levels = {only.name: GraphLevels.of(g.problem, decisions)}
                 self.verify_in, self.predicted = 0, predicted_levels(shapes, {only.name: g}, levels)
+                self.predicted_peak = max(self.predicted[:2])
                 self.predicted_state_bytes = 0
             return None
         add_step_record(record)
@@ -583,7 +689,8 @@ class StepRecorder:
             for name, d in dispatchers.items():
                 d.set_step_context(StepContext.parse(record.contexts.get(name)))
         # Measure the step after the next one (the next compiles the new variants) against the prediction.
-        self.verify_in, self.predicted = 1, (record.graphs_peak_bytes, record.turn_peak_bytes)
+        self.verify_in, self.predicted = 1, (record.graphs_peak_bytes, record.turn_peak_bytes, record.end_bytes)
+        self.predicted_peak = record.predicted_peak_bytes
         self.predicted_state_bytes = (record.optimizer_state or {}).get("bytes", 0)
         return record
 
@@ -594,7 +701,8 @@ class StepRecorder:
     @staticmethod
     def _decide(shapes: list[StepShape], dispatchers: dict[str, GraphDispatcher],
                 optimizers: Sequence[torch.optim.Optimizer] = (),
-                blocks: dict[tuple[int, int], _Block] | None = None) -> tuple[StepRecord | None, str | None]:
+                blocks: dict[tuple[int, int], _Block] | None = None,
+                transients: Sequence[dict[tuple, int]] | None = None) -> tuple[StepRecord | None, str | None]:
         """The step plan as a record, and the error message when no plan fits (None when it does)."""
         graphs: dict[str, GraphStep] = {}
         current: dict[str, tuple[str, ...]] = {}
@@ -610,13 +718,14 @@ class StepRecorder:
             graphs[name], current[name] = step_graph
         settled = not any(d.bucket in d.provisional for d in dispatchers.values())
         link = _host_link(dispatchers.values())
-        shapes, plan, state = _plan_with_model_state(shapes, graphs, current, settled, optimizers, blocks, link)
+        shapes, plan, state = _plan_with_model_state(shapes, graphs, current, settled, optimizers, blocks or {}, link,
+                                                     transients)
         if plan.alone:
             return None, None  # one graph: its own plan is the step's (its compile raised or warned already)
         budget = min(int(d.current_budget_bytes or 0) for d in dispatchers.values()) or None
         peak = plan.peak
         peak_node = _node_name(dispatchers[peak.graph], peak.step)
-        graphs_peak, turn_peak = predicted_levels(shapes, graphs, plan.levels)
+        graphs_peak, turn_peak, end = predicted_levels(shapes, graphs, plan.levels)
         holds_most = plan.holds_most(graphs)
         record = StepRecord(
             step=f"step_{next(_step_ids):03d}",
@@ -633,6 +742,8 @@ class StepRecorder:
             turn_bytes=max(s.turn_bytes for s in shapes),
             graphs_peak_bytes=graphs_peak,
             turn_peak_bytes=turn_peak,
+            end_bytes=end,
+            optimizer_bytes=max((s.optimizer_bytes for s in shapes if s.optimizer_bytes is not None), default=None),
             shapes=len(shapes),
             contexts={k: (c.to_json() if c else None) for k, c in plan.contexts.items()},
             parameter_bytes=max(s.parameter_bytes for s in shapes),
@@ -700,16 +811,17 @@ class _Meter:
         if self.profile is not None:
             self.profile.stop()
 
-    def read(self, baseline: int) -> tuple[int, int] | None:
-        """(the step's absolute peak outside its turn, at its turn), outside the backward (a CPU profiler is
-        stopped here); None if it was not measured to its end."""
+    def read(self, baseline: int, at_end: bool = False) -> tuple[int, int, int | None] | None:
+        """(the step's absolute peak outside its turn, at its turn, and, `at_end`, what is allocated now: the
+        step ended, an optimizer step starts), outside the backward (a CPU profiler is stopped here); None if it
+        was not measured to its end."""
         if self.profile is not None:
             ends, starts, done = (self.profile.mark_times(n) for n in (self.FORWARD_END, self.BACKWARD_START, self.STEP_END))
             if not (ends and starts and done) or ends[0] > starts[0]:
                 return None
             turn_start = max(t for t in ends if t <= starts[0])
             before, turn, after, _ = self.profile.window_peaks([turn_start, starts[0], done[0]])
-            return baseline + max(before, after), baseline + turn
+            return baseline + max(before, after), baseline + turn, baseline + self.profile.level() if at_end else None
         names = [n for n, _ in self.windows]
         if self.STEP_END not in names or self.BACKWARD_START not in names:
             return None
@@ -717,7 +829,45 @@ class _Meter:
         if turn == 0 or names[turn - 1] != self.FORWARD_END:
             return None
         others = [peak for i, (_, peak) in enumerate(self.windows) if i != turn]
-        return max(others), self.windows[turn][1]
+        if at_end:
+            torch.cuda.synchronize(self.device)
+        return max(others), self.windows[turn][1], int(torch.cuda.memory_allocated(self.device)) if at_end else None
+
+
+class _OptimizerMeter:
+    """What one optimizer step allocates beyond what it starts and ends with: its temporaries (a first step's
+    new state, alive at its end, is not among them). CUDA: the caching allocator's peak and levels (the peak
+    statistics are reset at its start, as `_Meter` does); CPU: the profiler's memory events."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, start: int,
+                 profile: CpuMemoryProfile | None) -> None:
+        self.optimizer, self.device, self.start_bytes, self.profile = weakref.ref(optimizer), device, start, profile
+
+    @classmethod
+    def start(cls, optimizer: torch.optim.Optimizer) -> _OptimizerMeter | None:
+        devices = {p.device for group in optimizer.param_groups for p in group["params"]}
+        device = next((d for d in devices if d.type == "cuda"), torch.device("cpu"))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            return cls(optimizer, device, int(torch.cuda.memory_allocated(device)), None)
+        if CpuMemoryProfile.busy():
+            return None
+        return cls(optimizer, device, 0, CpuMemoryProfile().start())
+
+    def read(self) -> tuple[int, int]:
+        """(bytes allocated at its peak beyond both its start and its end, bytes it left allocated beyond its start)."""
+        if self.profile is not None:
+            peak, end = self.profile.peak_increase_bytes(), self.profile.level()
+        else:
+            torch.cuda.synchronize(self.device)
+            peak = int(torch.cuda.max_memory_allocated(self.device)) - self.start_bytes
+            end = int(torch.cuda.memory_allocated(self.device)) - self.start_bytes
+        return max(0, peak - max(0, end)), max(0, end)
+
+    def discard(self) -> None:
+        if self.profile is not None:
+            self.profile.stop()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -821,6 +971,10 @@ def _covering(a: StepShape, b: StepShape) -> StepShape:
         a,
         parameter_bytes=max(a.parameter_bytes, b.parameter_bytes),
         outside_bytes=max(a.outside_bytes, b.outside_bytes),
+        # what is held at the end (outside less what the new gradients are added into) at its larger value
+        accumulated_bytes=max(a.outside_bytes, b.outside_bytes) - max(a.outside_bytes - a.accumulated_bytes,
+                                                                      b.outside_bytes - b.accumulated_bytes),
+        optimizer_bytes=max((x for x in (a.optimizer_bytes, b.optimizer_bytes) if x is not None), default=None),
         inputs_held_before=least(a.inputs_held_before, b.inputs_held_before),
         held_twice=least(a.held_twice, b.held_twice),
         call_parameter_bytes=least(a.call_parameter_bytes, b.call_parameter_bytes),
@@ -845,6 +999,9 @@ def _node_name(dispatcher: GraphDispatcher, step: int) -> str | None:
 
 
 def _where(phase: str, graph: str, node: str | None) -> str:
+    if phase == OPTIMIZER:
+        return (f"in the optimizer step after the backward of {graph} (its temporaries, and what the training "
+                "loop holds then, included)")
     if phase == TURN:
         return f"at the step's turn, after the forward of {graph} (eager code there, such as a loss, included)"
     return f"in the {phase} of {graph} at {node}"
@@ -898,15 +1055,58 @@ _STEPPED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 _WATCHING: list[Any] = []
 
 
+def _parameter_ids(blocks: dict[tuple[int, int], _Block], names) -> frozenset[int]:
+    """The ids of the parameters of the named ParameterOffload blocks (those still alive)."""
+    ids = set()
+    for name in names:
+        block = blocks.get(name)
+        po, module = (block.offload(), block.module()) if block is not None else (None, None)
+        if po is not None and module is not None:
+            ids.update(id(p) for p in po.params[module])
+    return frozenset(ids)
+
+
+def _regime(optimizers: Any, offloaded: Any) -> tuple:
+    """How the model state is kept, as an optimizer step's temporaries depend on it: the lever of the "auto"
+    CompressedOptimizers (None without one; they share it) and the ParameterOffload blocks offloaded."""
+    lever = next((o.lever() for o in list(optimizers) if isinstance(o, CompressedOptimizer) and o.auto), None)
+    return lever, frozenset(offloaded)
+
+
+def _decoded(optimizers: Any, blocks: dict[tuple[int, int], _Block]):
+    """A regime's (`_regime`) full-precision chunk bytes, decoded at once by the "auto" CompressedOptimizers'
+    steps (`cost.model_state.step_transient_bytes`)."""
+    auto = [o for o in list(optimizers) if isinstance(o, CompressedOptimizer) and o.auto]
+
+    def decoded(regime: tuple) -> int:
+        lever, offloaded = regime
+        if lever is None:
+            return 0
+        ids = _parameter_ids(blocks, offloaded)
+        return sum(step_transient_bytes(o.state_shape(ids), lever) for o in auto)
+
+    return decoded
+
+
+def _inner(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` is the one a CompressedOptimizer wraps (stepped by it, chunk by chunk)."""
+    return any(optimizer is c.inner for c in INSTANCES)
+
+
 def _watch_optimizers() -> None:
     if _WATCHING:
         return
-    from torch.optim.optimizer import register_optimizer_step_post_hook
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    def starts(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        STEPS.optimizer_starts(optimizer)
 
     def stepped(optimizer: torch.optim.Optimizer, *_: Any) -> None:
-        if not isinstance(optimizer, CompressedOptimizer) and not any(optimizer is c.inner for c in INSTANCES):
+        if not isinstance(optimizer, CompressedOptimizer) and not _inner(optimizer):
             _STEPPED.add(optimizer)
+        STEPS.optimizer_ends(optimizer)
 
+    _WATCHING.append(register_optimizer_step_pre_hook(starts))
     _WATCHING.append(register_optimizer_step_post_hook(stepped))
 
 
@@ -941,14 +1141,16 @@ def chosen_blocks(blocks: dict[tuple[int, int], _Block], shapes: Sequence[StepSh
 def _plan_with_model_state(
     shapes: list[StepShape], graphs: dict[str, GraphStep], current: dict[str, tuple[str, ...]], settled: bool,
     optimizers: Sequence[torch.optim.Optimizer], blocks: dict[tuple[int, int], _Block],
-    link_bytes_per_second: float | None,
+    link_bytes_per_second: float | None, transients: Sequence[dict[tuple, int]] | None = None,
 ) -> tuple[list[StepShape], Any, dict[str, Any] | None]:
     """The step plan with the model state alive through the step (the optimizers' state; the parameters of the
     ParameterOffload blocks kept on the device), and the model-state levers dpcs chooses: how the "auto"
     CompressedOptimizers keep their state (`cost/model_state.py`), and how many of the auto ParameterOffload
     blocks are offloaded (`chosen_blocks`, offloaded in that order), at the least added time, theirs plus the
     activation plan's (`solve/model_state.py`). Host levers and offloaded blocks are offered only where the
-    planning profile has a host link (`link_bytes_per_second`; on CPU the host is the device's memory).
+    planning profile has a host link (`link_bytes_per_second`; on CPU the host is the device's memory). Each
+    shape's `optimizer_bytes` counts the optimizer step's temporaries as the state is kept now; `transients`
+    (per shape, by `_regime`) are those measured, from which each option's are estimated.
     Returns the shapes as planned (the choice counted in), the plan, and what was chosen (None without
     optimizers or blocks)."""
     now = _offloaded_now()
@@ -966,20 +1168,12 @@ def _plan_with_model_state(
     offloadable = len(candidates) if link_bytes_per_second is not None else 0
     state_levers: list[StateLever | None] = list(levers(host_is_device=link_bytes_per_second is None)) if auto else [None]
 
-    def parameter_ids(names) -> frozenset[int]:
-        ids = set()
-        for name in names:
-            po, module = blocks[name].offload(), blocks[name].module()
-            if po is not None and module is not None:
-                ids.update(id(p) for p in po.params[module])
-        return frozenset(ids)
-
     plans: dict[tuple, tuple[list[StepShape], Any]] = {}
     state_of: dict[tuple, int] = {}
     options = []
     for k in range(offloadable + 1):
         out = forced | frozenset(candidates[:k])
-        ids = parameter_ids(out)
+        ids = _parameter_ids(blocks, out)
         fixed = sum(o.device_state_bytes(ids) if isinstance(o, CompressedOptimizer) else optimizer_state_bytes(o)
                     for o in optimizers if o not in auto)
         kept = sum(b.parameter_bytes + b.gradient_bytes for n, b in blocks.items() if n in candidates[k:])
@@ -992,10 +1186,21 @@ def _plan_with_model_state(
             state_of[(lever, k)] = state
             options.append(((lever, k), state + kept, seconds))
 
+    # The optimizer step's temporaries, measured as the state is kept now, estimated as each option keeps it.
+    decoded = _decoded(optimizers, blocks)
+    regime_now = _regime(optimizers, now)
+
     def plan_with(option: tuple, find_lowest: bool = False) -> StepWithState:
         out = forced | frozenset(candidates[:option[1]])
-        counted = [dataclasses.replace(with_offloaded(s, out), outside_bytes=with_offloaded(s, out).outside_bytes
-                                       + state_of[option]) for s in shapes]
+        counted = []
+        for s, table in zip(shapes, transients or [{}] * len(shapes)):
+            s = with_offloaded(s, out)
+            optimizer = s.optimizer_bytes
+            if optimizer is not None and table:
+                optimizer += (estimated_step_transient(table, (option[0], out), decoded)
+                              - estimated_step_transient(table, regime_now, decoded))
+            counted.append(dataclasses.replace(s, outside_bytes=s.outside_bytes + state_of[option],
+                                               optimizer_bytes=optimizer))
         plan = plan_step(counted, graphs, current, solved_decisions, settled, find_lowest)
         plans[option] = (counted, plan)
         seconds = sum(plan_seconds(graphs[k].problem, plan.decisions[k]) for k in counted[plan.peak.shape].instances)
@@ -1036,4 +1241,6 @@ def _split(record: StepRecord) -> str:
     return (f"; of it: parameters {format_bytes(parts['parameters'])}, optimizer state{kept} "
             f"{format_bytes(parts['optimizer_state'])}, other memory alive through the step "
             f"{format_bytes(parts['outside_graphs'])}, activations and gradients "
-            f"{format_bytes(parts['activations_and_gradients'])}")
+            f"{format_bytes(parts['activations_and_gradients'])}"
+            + (f", the optimizer step's temporaries {format_bytes(parts['optimizer_step'])}"
+               if parts["optimizer_step"] else ""))

@@ -10,6 +10,7 @@ from dpcs_compiler.cost.model_state import (
     StateRates,
     added_seconds,
     device_bytes,
+    estimated_step_transient,
     levers,
     offload_seconds,
     step_transient_bytes,
@@ -63,3 +64,14 @@ def test_bad_values_are_named():
         StateLever("int4")
     with pytest.raises(ValueError, match="block_size=0"):
         OptimizerStateShape(stored_elements=1, block_size=0)
+
+
+def test_an_optimizer_steps_temporaries_are_estimated_high_from_other_regimes():
+    decoded = {"fp32": 0, "bf16": 1000, "int8": 1000, "int8 in host memory": 1500}.__getitem__
+    assert estimated_step_transient({}, "fp32", decoded) is None
+    measured = {"bf16": 1200, "fp32": 300}
+    assert estimated_step_transient(measured, "fp32", decoded) == 300  # measured there
+    # int8 decodes as much as bf16 (1200 measured) and 1000 B more than fp32 (300 + 1000): the larger
+    assert estimated_step_transient(measured, "int8", decoded) == 1300
+    # decoding 500 B more than bf16 and 1500 B more than fp32: the larger of 1200 + 500 and 300 + 1500
+    assert estimated_step_transient(measured, "int8 in host memory", decoded) == 1800

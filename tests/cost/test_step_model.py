@@ -7,6 +7,7 @@ import pytest
 
 from dpcs_compiler.cost.memory_model import RECOMPUTE, SAVE, Candidate, MemoryProblem, plan_memory
 from dpcs_compiler.cost.step_model import (
+    OPTIMIZER,
     OffloadBlocks,
     with_offloaded,
     GraphLevels,
@@ -15,6 +16,7 @@ from dpcs_compiler.cost.step_model import (
     StepShape,
     boundary_level,
     contexts_for,
+    end_bytes,
     in_step,
     lowest_boundary_decisions,
     plan_step,
@@ -152,6 +154,30 @@ def test_step_peak_is_the_largest_call_and_names_it():
     peak = step_peak([StepShape(("A", "B"), 0)], graphs, levels)
     # B's calls run while A holds its 80 saved bytes (boundary 180 less 100 shared).
     assert (peak.bytes, peak.graph, peak.instance) == (180 + 80, "B", 1)
+
+
+def test_the_optimizer_step_is_a_phase_on_top_of_what_the_step_holds_at_its_end():
+    p = problem()
+    graphs = {k: graph(k, p, target=10_000, shared=100, gradients=25) for k in "AB"}
+    levels = {k: GraphLevels.of(p, (SAVE, SAVE)) for k in "AB"}
+    # Parameters 60, state 50 (outside), and both calls' 25 B of gradients at the end; 20 B of those add into
+    # gradients held from an earlier micro-batch (counted in outside too): counted once.
+    shape = StepShape(("A", "B"), 60, outside_bytes=50, accumulated_bytes=20)
+    assert end_bytes(shape, graphs) == 60 + 50 + 50 - 20
+    assert step_peak([shape], graphs, levels).phase != OPTIMIZER  # no optimizer step follows: no such phase
+    stepped = StepShape(("A", "B"), 60, outside_bytes=50, accumulated_bytes=20, optimizer_bytes=300)
+    peak = step_peak([stepped], graphs, levels)
+    assert (peak.bytes, peak.phase, peak.graph, peak.instance) == (140 + 300, OPTIMIZER, "A", 0)
+    assert step_peak([stepped], graphs, levels, ("forward", "backward")) == step_peak([shape], graphs, levels)
+    # A plan can do nothing about it: over the target, the step is infeasible whatever the activations' plans.
+    tight = {k: graph(k, p, target=400, shared=100, gradients=25) for k in "AB"}
+    assert not plan_step([stepped], tight, {k: (SAVE, SAVE) for k in "AB"}, solver).feasible
+    # Offloaded blocks' held gradients leave the accumulated bytes with the outside ones.
+    blocks = offload_blocks()
+    kept = StepShape(instances=("B", "B", "B"), parameter_bytes=190, outside_bytes=16, accumulated_bytes=9,
+                     call_parameter_bytes=(40, 30, 20), call_gradient_bytes=(40, 30, 0), offload_blocks=blocks)
+    out = with_offloaded(kept, {"a", "c"})
+    assert (out.outside_bytes, out.accumulated_bytes) == (10, 3)
 
 
 def test_plan_step_keeps_plans_that_already_fit_the_step():

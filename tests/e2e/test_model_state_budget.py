@@ -21,8 +21,8 @@ STEPS = 5  # the first plans, the step planned with the optimizer's state once i
 
 
 def train(budget: int, auto: bool, on_infeasible: str = "error") -> dict:
-    """STEPS training steps; the forward and backward of one more, measured (its absolute peak: parameters,
-    the input and the optimizer's state on the device counted in)."""
+    """STEPS training steps; one more (forward, backward and the optimizer's step), measured (its absolute
+    peak: parameters, the input and the optimizer's state on the device counted in)."""
     w = workload("gpt", 4, layers=2)
     plain = torch.optim.AdamW(w.model.parameters(), lr=1e-3)
     optimizer = CompressedOptimizer(plain, states="auto") if auto else plain
@@ -36,7 +36,7 @@ def train(budget: int, auto: bool, on_infeasible: str = "error") -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     state = optimizer_state_bytes(optimizer)
-    _, peak = measure_peak_memory(forward_backward)
+    _, peak = measure_peak_memory(lambda: (forward_backward(), optimizer.step()))
     record = step_records()[-1]
     return {"measured": peak.absolute(resident_bytes([*w.model.parameters(), *w.inputs]) + state), "state": state,
             "record": record, "lever": (record.optimizer_state or {}).get("format")}
@@ -106,8 +106,8 @@ class _Stack(torch.nn.Module):
 def train_offloaded(budget: int, prefetch: int | None, on_infeasible: str = "error", auto: bool = False,
                     **options) -> dict:
     """STEPS steps of the stack through dpcs with its blocks' parameters offloaded (prefetch None: not
-    offloaded; auto: as the step planner chooses), then one more forward and backward measured (parameters and
-    state on the device counted in)."""
+    offloaded; auto: as the step planner chooses), then one more (forward, backward and the optimizer's step)
+    measured (parameters and state on the device counted in)."""
     from dpcs_compiler.runtime import ParameterOffload
 
     torch.manual_seed(0)
@@ -127,7 +127,7 @@ def train_offloaded(budget: int, prefetch: int | None, on_infeasible: str = "err
             optimizer.zero_grad()
         state = optimizer_state_bytes(optimizer)
         on_device = [p for p in net.parameters() if p.untyped_storage().nbytes()]
-        _, peak = measure_peak_memory(forward_backward)
+        _, peak = measure_peak_memory(lambda: (forward_backward(), optimizer.step()))
         return {"measured": peak.absolute(resident_bytes([*on_device, x]) + state), "record": step_records()[-1],
                 "offloaded": [i for i, b in enumerate(net.blocks) if offload and b in offload.offloaded_modules()],
                 "records": compile_records()}
@@ -189,3 +189,62 @@ def test_the_step_planner_chooses_which_blocks_to_offload():
     assert abs(tight["measured"] - tight["record"].predicted_peak_bytes) <= 0.01 * tight["measured"]
     on_cpu = train_offloaded(budget, 1, auto=True, on_infeasible="best")  # the reference CPU: host is the device
     assert on_cpu["offloaded"] == [] and on_cpu["record"].optimizer_state["offloadable_blocks"] == 4
+
+
+def train_stack(budget: int, make_optimizer, on_infeasible: str = "error") -> dict:
+    """STEPS steps of the stack (batch 4: model states are the step's memory); then one more measured two ways
+    in one run: its forward and backward alone, and the whole step with the optimizer's."""
+    torch.manual_seed(0)
+    net = _Stack()
+    optimizer = make_optimizer(net.parameters())
+    compiled = dpcs_compile(net, memory_budget=budget, on_infeasible=on_infeasible)
+    x = torch.randn(4, 16)
+
+    def forward_backward() -> None:
+        compiled(x).square().mean().backward()
+
+    for _ in range(STEPS):
+        forward_backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    resident = resident_bytes([*net.parameters(), x]) + optimizer_state_bytes(optimizer)
+    _, without = measure_peak_memory(forward_backward)
+    optimizer.zero_grad()
+    resident = resident_bytes([*net.parameters(), x]) + optimizer_state_bytes(optimizer)
+    _, whole = measure_peak_memory(lambda: (forward_backward(), optimizer.step()))
+    return {"record": step_records()[-1], "forward_backward": without.absolute(resident),
+            "measured": whole.absolute(resident)}
+
+
+def test_the_optimizer_step_is_planned_as_a_phase_of_the_step():
+    """The optimizer's step runs after the step's last backward, on top of every gradient and the state: its
+    temporaries (foreach AdamW: a square root of every second moment at once) are measured at the first steps
+    and planned as a phase of the step, so the budget bounds the whole step and the predicted peak is the one
+    measured with `optimizer.step()` in it. A budget between the forward-and-backward peak and the whole step's
+    is refused naming the optimizer step, and met when dpcs may choose how the state is kept (stepped a chunk
+    at a time)."""
+    plain = train_stack(10**9, lambda p: torch.optim.AdamW(p, lr=1e-3, foreach=True))
+    record = plain["record"]
+    print(f"foreach AdamW: forward and backward {plain['forward_backward']} B, whole step {plain['measured']} B "
+          f"(predicted {record.predicted_peak_bytes} B in the {record.peak_phase}; temporaries "
+          f"{record.optimizer_bytes} B)")
+    assert plain["measured"] > plain["forward_backward"] + 1_000_000, "the optimizer step is the step's peak"
+    assert record.peak_phase == "optimizer" and record.split()["optimizer_step"] == record.optimizer_bytes > 0
+    assert abs(plain["measured"] - record.predicted_peak_bytes) <= 0.01 * plain["measured"]
+
+    budget = (plain["forward_backward"] + plain["measured"]) // 2
+    try:
+        train_stack(budget, lambda p: torch.optim.AdamW(p, lr=1e-3, foreach=True))
+    except BudgetInfeasibleError as error:
+        message = str(error)
+    else:
+        raise AssertionError("a budget below the optimizer step's peak was taken as met")
+    assert "in the optimizer step after the backward" in message and "the optimizer step's temporaries" in message
+
+    chosen = train_stack(budget, lambda p: CompressedOptimizer(torch.optim.AdamW(p, lr=1e-3, foreach=True),
+                                                               states="auto", chunk_bytes=1 << 20))
+    record = chosen["record"]
+    print(f"budget {budget} B: dpcs kept the state {record.optimizer_state['format']} and measured the whole step "
+          f"{chosen['measured']} B (predicted {record.predicted_peak_bytes} B in the {record.peak_phase})")
+    assert record.feasible and chosen["measured"] <= budget
+    assert abs(chosen["measured"] - record.predicted_peak_bytes) <= 0.01 * chosen["measured"]

@@ -66,17 +66,18 @@ def test_a_measured_excess_is_counted_as_outside_memory_and_planned_again_at_mos
     STEPS.reset()
     key = (("a", "b"), ((), ()))
     shape = StepShape(instances=("a", "b"), parameter_bytes=100)
-    STEPS.predicted = (10_000_000, 8_000_000)  # (inside the graphs, at the step's turn)
-    STEPS._correct(key, shape, (10_000_000 + 1000, 8_000_000 + 1000), [])  # within the tolerance: nothing
+    STEPS.predicted = (10_000_000, 8_000_000, 6_000_000)  # (inside the graphs, at the step's turn, at its end)
+    STEPS.predicted_peak = 10_000_000
+    STEPS._correct(key, shape, (10_000_000 + 1000, 8_000_000 + 1000, None), [])  # within the tolerance: nothing
     assert not STEPS.to_plan and key not in STEPS.outside_measured
     for round_ in range(MAX_CORRECTIONS):
         STEPS.to_plan = False
-        STEPS._correct(key, shape, (11_000_000, 8_000_000), [])
+        STEPS._correct(key, shape, (11_000_000, 8_000_000, None), [])
         assert STEPS.to_plan and STEPS.outside_measured[key] == (round_ + 1) * 1_000_000
         assert STEPS.shapes[key][0].outside_bytes == 1_000_000
         assert STEPS.shapes[key][0].turn_bytes == 0  # the turn's 8 MB were predicted, and 1 MB more is outside's
     STEPS.to_plan = False
-    STEPS._correct(key, shape, (11_000_000, 9_000_000), [])
+    STEPS._correct(key, shape, (11_000_000, 9_000_000, None), [])
     assert not STEPS.to_plan  # a third excess is reported, not planned again
     STEPS.reset()
 
@@ -87,15 +88,37 @@ def test_a_measured_excess_at_the_steps_turn_is_counted_there_only():
     STEPS.reset()
     key = (("a",), ((),))
     shape = StepShape(instances=("a",), parameter_bytes=100)
-    STEPS.predicted = (10_000_000, 8_000_000)
-    STEPS._correct(key, shape, (10_000_000, 15_000_000), [])
+    STEPS.predicted = (10_000_000, 8_000_000, 6_000_000)
+    STEPS.predicted_peak = 10_000_000
+    STEPS._correct(key, shape, (10_000_000, 15_000_000, None), [])
     counted = STEPS.shapes[key][0]
     assert STEPS.to_plan and (counted.outside_bytes, counted.turn_bytes) == (0, 7_000_000)
     STEPS.to_plan = False
     STEPS.shapes.clear()
-    STEPS._correct(key, shape, (12_000_000, 15_000_000), [])  # 2 MB throughout, so 5 MB more at the turn
+    STEPS._correct(key, shape, (12_000_000, 15_000_000, None), [])  # 2 MB throughout, so 5 MB more at the turn
     counted = STEPS.shapes[key][0]
     assert (counted.outside_bytes, counted.turn_bytes) == (2_000_000, 5_000_000)
+    STEPS.reset()
+
+
+def test_a_measured_excess_at_the_steps_end_is_counted_in_its_optimizer_step_only():
+    """What the training loop holds when the step's backwards end (a loss's logits) beyond the plan counts in
+    the optimizer step that follows, and re-plans only when that step is the step's peak; a step no optimizer
+    step followed learns nothing there."""
+    STEPS.reset()
+    key = (("a",), ((),))
+    STEPS.predicted = (10_000_000, 8_000_000, 6_000_000)
+    STEPS.predicted_peak = 10_000_000
+    STEPS._correct(key, StepShape(instances=("a",), parameter_bytes=100), (10_000_000, 8_000_000, 9_000_000), [])
+    assert not STEPS.to_plan and key not in STEPS.shapes, "no optimizer step measured after it: nothing counted"
+    shape = StepShape(instances=("a",), parameter_bytes=100, optimizer_bytes=1_000_000)
+    STEPS._correct(key, shape, (10_000_000, 8_000_000, 7_000_000), [])  # 1 MB more, the phase at 8 MB: no re-plan
+    counted = STEPS.shapes[key][0]
+    assert (counted.outside_bytes, counted.turn_bytes, counted.optimizer_bytes) == (0, 0, 2_000_000)
+    assert STEPS.end_measured[key] == 1_000_000 and not STEPS.to_plan
+    STEPS._correct(key, counted, (12_000_000, 8_000_000, 12_000_000), [])  # 2 MB throughout, 4 MB more at the end
+    counted = STEPS.shapes[key][0]
+    assert (counted.outside_bytes, counted.optimizer_bytes) == (2_000_000, 6_000_000) and STEPS.to_plan
     STEPS.reset()
 
 
