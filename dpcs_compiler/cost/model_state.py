@@ -18,6 +18,25 @@ _ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
 _SCALED = ("fp16", "int8")
 
 
+# Bytes of memory traffic per element that encoding and decoding a state in each format amount to, as
+# `runtime/state_codec.py` does it with torch's eager kernels: a plain copy reads and writes each element once;
+# the scaled formats' block scales, normalisation and level search take many passes. Those two were calibrated
+# on CPU (AMD EPYC, 2 threads, torch 2.13: measured seconds per element times the measured profile's memory
+# bandwidth, 34 GB/s; fp16 67/11-12, int8 133-162/30-31, rounded up). Costs are then a function of the planning
+# profile alone, the same on every machine that plans with it; on a GPU, where each pass is bandwidth-bound,
+# the scaled formats are likely overestimated (they are chosen only where the others do not fit anyway).
+CODEC_TRAFFIC_BYTES = {"fp32": (8.0, 8.0), "bf16": (6.0, 6.0), "fp16": (72.0, 12.0), "int8": (168.0, 32.0)}
+
+
+def codec_rates(memory_bandwidth: float) -> tuple[dict[str, float], dict[str, float]]:
+    """Seconds per element to encode and to decode each format on a device of this memory bandwidth (bytes
+    per second), from `CODEC_TRAFFIC_BYTES`."""
+    if not memory_bandwidth > 0:
+        raise ValueError(f"codec_rates: memory_bandwidth={memory_bandwidth!r} is not valid: bytes per second > 0")
+    return ({fmt: e / memory_bandwidth for fmt, (e, _) in CODEC_TRAFFIC_BYTES.items()},
+            {fmt: d / memory_bandwidth for fmt, (_, d) in CODEC_TRAFFIC_BYTES.items()})
+
+
 @dataclasses.dataclass(frozen=True)
 class StateLever:
     """How an optimizer's storable state is kept between steps."""

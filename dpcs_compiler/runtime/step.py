@@ -63,7 +63,9 @@ from dpcs_compiler.report import _ON_CLEAR, STEPS_FILE, StepRecord, add_step_rec
 from dpcs_compiler.cost.memory_model import plan_seconds
 from dpcs_compiler.cost.model_state import (
     StateLever,
+    StateRates,
     added_seconds,
+    codec_rates,
     device_bytes,
     estimated_step_transient,
     levers,
@@ -717,9 +719,10 @@ class StepRecorder:
                 return None, None
             graphs[name], current[name] = step_graph
         settled = not any(d.bucket in d.provisional for d in dispatchers.values())
-        link = _host_link(dispatchers.values())
-        shapes, plan, state = _plan_with_model_state(shapes, graphs, current, settled, optimizers, blocks or {}, link,
-                                                     transients)
+        profile = _planning_profile(dispatchers.values())
+        shapes, plan, state = _plan_with_model_state(shapes, graphs, current, settled, optimizers, blocks or {},
+                                                     _host_link(profile), transients,
+                                                     profile.memory_bandwidth if profile is not None else None)
         if plan.alone:
             return None, None  # one graph: its own plan is the step's (its compile raised or warned already)
         budget = min(int(d.current_budget_bytes or 0) for d in dispatchers.values()) or None
@@ -1110,18 +1113,21 @@ def _watch_optimizers() -> None:
     _WATCHING.append(register_optimizer_step_post_hook(stepped))
 
 
-def _host_link(dispatchers) -> float | None:
-    """The host link's bytes per second (the slower way) of the profile the step's graphs are planned with;
-    None where the host is the device's own memory (or no graph has a profile yet)."""
+def _planning_profile(dispatchers) -> Any:
+    """The hardware profile the step's graphs are planned with (None if no graph has one yet)."""
     for d in dispatchers:
-        job = d.current_job()
-        resolved = getattr(job, "resolved_profile", None)
+        resolved = getattr(d.current_job(), "resolved_profile", None)
         if resolved is not None:
-            profile = resolved.profile
-            if profile.host_to_device is None or profile.device_to_host is None:
-                return None
-            return min(profile.host_to_device, profile.device_to_host)
+            return resolved.profile
     return None
+
+
+def _host_link(profile: Any) -> float | None:
+    """The host link's bytes per second (the slower way) of a planning profile; None where the host is the
+    device's own memory (or without a profile)."""
+    if profile is None or profile.host_to_device is None or profile.device_to_host is None:
+        return None
+    return min(profile.host_to_device, profile.device_to_host)
 
 
 def _offloaded_now() -> set[tuple[int, int]]:
@@ -1142,6 +1148,7 @@ def _plan_with_model_state(
     shapes: list[StepShape], graphs: dict[str, GraphStep], current: dict[str, tuple[str, ...]], settled: bool,
     optimizers: Sequence[torch.optim.Optimizer], blocks: dict[tuple[int, int], _Block],
     link_bytes_per_second: float | None, transients: Sequence[dict[tuple, int]] | None = None,
+    memory_bandwidth: float | None = None,
 ) -> tuple[list[StepShape], Any, dict[str, Any] | None]:
     """The step plan with the model state alive through the step (the optimizers' state; the parameters of the
     ParameterOffload blocks kept on the device), and the model-state levers dpcs chooses: how the "auto"
@@ -1150,7 +1157,10 @@ def _plan_with_model_state(
     activation plan's (`solve/model_state.py`). Host levers and offloaded blocks are offered only where the
     planning profile has a host link (`link_bytes_per_second`; on CPU the host is the device's memory). Each
     shape's `optimizer_bytes` counts the optimizer step's temporaries as the state is kept now; `transients`
-    (per shape, by `_regime`) are those measured, from which each option's are estimated.
+    (per shape, by `_regime`) are those measured, from which each option's are estimated. Encoding and
+    decoding cost what the planning profile's `memory_bandwidth` gives them (`cost.model_state.codec_rates`),
+    so a pinned profile chooses alike on every machine; only an offloaded block's host step is timed here
+    (on CUDA, where blocks are offloaded).
     Returns the shapes as planned (the choice counted in), the plan, and what was chosen (None without
     optimizers or blocks)."""
     now = _offloaded_now()
@@ -1164,7 +1174,10 @@ def _plan_with_model_state(
     rates = None
     if auto or (candidates and link_bytes_per_second is not None):
         device = next((o.device() for o in optimizers if isinstance(o, CompressedOptimizer)), torch.device("cpu"))
-        rates = dataclasses.replace(measured_state_rates(str(device)), link_bytes_per_second=link_bytes_per_second)
+        measured = measured_state_rates(str(device))
+        encode, decode = (codec_rates(memory_bandwidth) if memory_bandwidth is not None
+                          else (measured.encode_seconds, measured.decode_seconds))
+        rates = StateRates(encode, decode, link_bytes_per_second, measured.host_step_seconds)
     offloadable = len(candidates) if link_bytes_per_second is not None else 0
     state_levers: list[StateLever | None] = list(levers(host_is_device=link_bytes_per_second is None)) if auto else [None]
 

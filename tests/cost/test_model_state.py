@@ -9,6 +9,7 @@ from dpcs_compiler.cost.model_state import (
     StateLever,
     StateRates,
     added_seconds,
+    codec_rates,
     device_bytes,
     estimated_step_transient,
     levers,
@@ -75,3 +76,14 @@ def test_an_optimizer_steps_temporaries_are_estimated_high_from_other_regimes():
     assert estimated_step_transient(measured, "int8", decoded) == 1300
     # decoding 500 B more than bf16 and 1500 B more than fp32: the larger of 1200 + 500 and 300 + 1500
     assert estimated_step_transient(measured, "int8 in host memory", decoded) == 1800
+
+
+def test_codec_costs_follow_the_profiles_bandwidth_and_order_the_formats():
+    encode, decode = codec_rates(35e9)
+    assert set(encode) == set(decode) == {"fp32", "bf16", "fp16", "int8"}
+    assert encode["fp32"] == 8 / 35e9 and decode["bf16"] == 6 / 35e9
+    # cheapest first: a plain copy, a narrowing copy, then the scaled formats, int8's level search dearest
+    assert encode["bf16"] < encode["fp32"] < encode["fp16"] < encode["int8"]
+    assert codec_rates(70e9)[0]["int8"] == encode["int8"] / 2  # twice the bandwidth, half the time
+    with pytest.raises(ValueError, match="memory_bandwidth"):
+        codec_rates(0.0)

@@ -20,13 +20,13 @@ from dpcs_testing import dpcs_compile
 STEPS = 5  # the first plans, the step planned with the optimizer's state once it exists, then steady
 
 
-def train(budget: int, auto: bool, on_infeasible: str = "error") -> dict:
+def train(budget: int, auto: bool, on_infeasible: str = "error", **options) -> dict:
     """STEPS training steps; one more (forward, backward and the optimizer's step), measured (its absolute
     peak: parameters, the input and the optimizer's state on the device counted in)."""
     w = workload("gpt", 4, layers=2)
     plain = torch.optim.AdamW(w.model.parameters(), lr=1e-3)
     optimizer = CompressedOptimizer(plain, states="auto") if auto else plain
-    compiled = dpcs_compile(w.model, memory_budget=budget, on_infeasible=on_infeasible)
+    compiled = dpcs_compile(w.model, memory_budget=budget, on_infeasible=on_infeasible, **options)
 
     def forward_backward() -> None:
         w.loss_fn(compiled(*w.inputs)).backward()
@@ -74,6 +74,22 @@ def test_state_kept_as_is_when_the_budget_allows_it():
     chosen = train(10**9, auto=True)
     assert chosen["lever"] == "fp32" and chosen["record"].optimizer_state["seconds"] == 0
     assert chosen["record"].split()["optimizer_state"] == chosen["state"]
+
+
+def test_the_levers_costs_come_from_the_planning_profile_not_this_machines_timing(monkeypatch):
+    """With a pinned profile the state lever is chosen alike on every machine: encoding and decoding cost what
+    the profile's memory bandwidth gives them, whatever this machine's codec timings (here made 1000x slower
+    for bf16)."""
+    import dpcs_compiler.runtime.step as step_module
+    from dpcs_compiler.cost.model_state import StateRates
+
+    lowest = train(1_000_000, auto=False, on_infeasible="best", hardware_profile="reference-cpu")
+    budget = lowest["record"].predicted_peak_bytes - lowest["state"] // 3
+    here = train(budget, auto=True, hardware_profile="reference-cpu")["record"].optimizer_state
+    slow = dict.fromkeys(("fp32", "bf16", "fp16", "int8"), 1e-9) | {"bf16": 1e-6}
+    monkeypatch.setattr(step_module, "measured_state_rates", lambda device: StateRates(slow, slow, None))
+    elsewhere = train(budget, auto=True, hardware_profile="reference-cpu")["record"].optimizer_state
+    assert here["format"] == elsewhere["format"] == "bf16" and here["options"] == elsewhere["options"]
 
 
 class _Block(torch.nn.Module):
