@@ -132,6 +132,9 @@ class StepRecord:
     # Measured in the optimizer step after the step, beyond what it holds at its end (its temporaries, and what
     # the training loop holds then); None: no optimizer step follows the step seen.
     optimizer_bytes: int | None = None
+    # Of the predicted peak: the parameter gradients the step made that are alive there (earlier micro-batches'
+    # are in `outside_bytes`).
+    gradient_bytes: int = 0
     shapes: int = 1  # step orders planned for together (a data-dependent branch makes several)
     contexts: dict[str, dict[str, Any] | None] = dataclasses.field(default_factory=dict)
     parameter_bytes: int = 0  # the step's parameters (counted once)
@@ -142,14 +145,17 @@ class StepRecord:
 
     def split(self) -> dict[str, int]:
         """The predicted peak in parts: parameters, optimizer state, other memory alive through the step
-        (gradients of earlier micro-batches, memory measured outside the graphs), activations and gradients,
-        and, when the peak is in the optimizer step, what that step allocates on top (its temporaries)."""
+        (gradients of earlier micro-batches, memory measured outside the graphs), the parameter gradients the
+        step made that are alive there, activations (everything else the graphs hold there: saved values,
+        their inputs and outputs, gradients of activations), and, when the peak is in the optimizer step, what
+        that step allocates on top (its temporaries)."""
         state = (self.optimizer_state or {}).get("bytes", 0)
         other = max(0, self.outside_bytes - state)
         step = (self.optimizer_bytes or 0) if self.peak_phase == "optimizer" else 0
+        rest = self.predicted_peak_bytes - self.parameter_bytes - state - other - step
+        gradients = min(self.gradient_bytes, max(0, rest))
         return {"parameters": self.parameter_bytes, "optimizer_state": state, "outside_graphs": other,
-                "activations_and_gradients": self.predicted_peak_bytes - self.parameter_bytes - state - other - step,
-                "optimizer_step": step}
+                "gradients": gradients, "activations": rest - gradients, "optimizer_step": step}
 
     def to_json(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "split": self.split()}

@@ -167,8 +167,8 @@ def main() -> None:
             f"optimizer state kept {kept}: {format_bytes(state)} (fp32: {format_bytes(adamw_state)}); the step's "
             f"peak, predicted: parameters {format_bytes(parameters)}, optimizer state "
             f"{format_bytes(split['optimizer_state'])}, other memory through the step "
-            f"{format_bytes(split['outside_graphs'])}, activations and gradients "
-            f"{format_bytes(split['activations_and_gradients'])}"
+            f"{format_bytes(split['outside_graphs'])}, gradients {format_bytes(split['gradients'])}, activations "
+            f"{format_bytes(split['activations'])}"
             + (f", the optimizer step's temporaries {format_bytes(split['optimizer_step'])}" if split["optimizer_step"]
                else "")
             + f"; measured: parameters {format_bytes(parameters)}, "

@@ -174,7 +174,8 @@ class GraphStep:
     the workspace allowance); parameter_bytes: its parameters (counted once for the whole step: the others'
     contexts count them); shared_bytes: what its boundary level holds that is not its own to keep (its
     parameters, its inputs the backward does not read, its outputs: the next graph counts them as inputs);
-    gradient_bytes: the parameter gradients its backward leaves behind.
+    gradient_bytes: the parameter gradients its backward leaves behind; gradient_steps: (the step of its
+    problem that makes it, bytes) of each of them (empty: not known), for the split of a peak.
     """
 
     name: str
@@ -183,6 +184,11 @@ class GraphStep:
     parameter_bytes: int
     shared_bytes: int
     gradient_bytes: int
+    gradient_steps: tuple[tuple[int, int], ...] = ()
+
+    def gradients_at(self, step: int) -> int:
+        """Bytes of its parameter gradients made by `step` of its problem (they stay to the step's end)."""
+        return sum(nbytes for at, nbytes in self.gradient_steps if at <= step)
 
     def held(self, boundary: int) -> int:
         """Bytes this graph keeps alive for its backward while the others run."""
@@ -299,11 +305,16 @@ TURN = "turn"  # the phase of a step's turn: after its last forward, before its 
 OPTIMIZER = "optimizer"  # the optimizer step after the step's last backward (its temporaries on top of the step's end)
 
 
+def _call_gradients(shape: StepShape, graphs: Mapping[str, GraphStep]) -> tuple[int, ...]:
+    """The gradients each call's backward leaves for the rest of the step."""
+    return shape.call_gradient_bytes or tuple(graphs[k].gradient_bytes for k in shape.instances)
+
+
 def end_bytes(shape: StepShape, graphs: Mapping[str, GraphStep]) -> int:
     """What the step holds once its last backward ended: its parameters, the memory outside its graphs (the
     optimizers' state among it) and the gradients its calls left, those added into gradients already held
     counted once."""
-    gradients = sum(shape.call_gradient_bytes or tuple(graphs[k].gradient_bytes for k in shape.instances))
+    gradients = sum(_call_gradients(shape, graphs))
     return shape.parameter_bytes + shape.outside_bytes + gradients - min(shape.accumulated_bytes, gradients)
 
 
@@ -318,6 +329,9 @@ class StepPeak:
     phase: str  # "forward", "backward", TURN (then graph/step: the last forward call, at its boundary), or
     # OPTIMIZER (then graph/step: the first call, whose backward ends the step, at its last step)
     step: int  # the schedule step in that graph's own problem
+    # Of `bytes`: the parameter gradients this step made that are alive there (the graph's own made by then,
+    # the later calls'; earlier micro-batches' are memory outside the graphs).
+    gradient_bytes: int = 0
 
 
 def _calls(shapes: Sequence[StepShape], graphs: Mapping[str, GraphStep], held: Mapping[str, int]):
@@ -378,13 +392,17 @@ def step_peak(
             if phase == TURN and not last or phase not in phases:
                 continue
             if at >= 0 and (best is None or own + extra > best.bytes):
-                best = StepPeak(own + extra, key, s, i, phase, at)
+                gradients = (graphs[key].gradients_at(at) + sum(_call_gradients(shapes[s], graphs)[i + 1:])
+                             if phase == "backward" else 0)
+                best = StepPeak(own + extra, key, s, i, phase, at, gradients)
     for s, shape in enumerate(shapes):
         if OPTIMIZER in phases and shape.optimizer_bytes is not None and shape.instances:
             nbytes = end_bytes(shape, graphs) + shape.optimizer_bytes
             if best is None or nbytes > best.bytes:
                 first = shape.instances[0]
-                best = StepPeak(nbytes, first, s, 0, OPTIMIZER, graphs[first].problem.steps - 1)
+                made = sum(_call_gradients(shape, graphs))
+                best = StepPeak(nbytes, first, s, 0, OPTIMIZER, graphs[first].problem.steps - 1,
+                                made - min(shape.accumulated_bytes, made))
     if best is None:
         raise ValueError("a step needs at least one graph call")
     return best

@@ -747,6 +747,7 @@ class StepRecorder:
             turn_peak_bytes=turn_peak,
             end_bytes=end,
             optimizer_bytes=max((s.optimizer_bytes for s in shapes if s.optimizer_bytes is not None), default=None),
+            gradient_bytes=peak.gradient_bytes,
             shapes=len(shapes),
             contexts={k: (c.to_json() if c else None) for k, c in plan.contexts.items()},
             parameter_bytes=max(s.parameter_bytes for s in shapes),
@@ -1253,7 +1254,7 @@ def _split(record: StepRecord) -> str:
     kept = f" kept {lever['format']}{' in host memory' if lever.get('on_host') else ''}" if lever.get("chosen") else ""
     return (f"; of it: parameters {format_bytes(parts['parameters'])}, optimizer state{kept} "
             f"{format_bytes(parts['optimizer_state'])}, other memory alive through the step "
-            f"{format_bytes(parts['outside_graphs'])}, activations and gradients "
-            f"{format_bytes(parts['activations_and_gradients'])}"
+            f"{format_bytes(parts['outside_graphs'])}, gradients {format_bytes(parts['gradients'])}, activations "
+            f"{format_bytes(parts['activations'])}"
             + (f", the optimizer step's temporaries {format_bytes(parts['optimizer_step'])}"
                if parts["optimizer_step"] else ""))

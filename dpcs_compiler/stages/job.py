@@ -302,6 +302,7 @@ class GraphJob:
             parameter_bytes=self.sharing.parameter_bytes,
             shared_bytes=self.sharing.shared_bytes,
             gradient_bytes=self.sharing.gradient_bytes,
+            gradient_steps=self.sharing.gradient_steps,
         )
         return graph, self.plan.decisions
 

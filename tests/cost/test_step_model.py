@@ -168,6 +168,7 @@ def test_the_optimizer_step_is_a_phase_on_top_of_what_the_step_holds_at_its_end(
     stepped = StepShape(("A", "B"), 60, outside_bytes=50, accumulated_bytes=20, optimizer_bytes=300)
     peak = step_peak([stepped], graphs, levels)
     assert (peak.bytes, peak.phase, peak.graph, peak.instance) == (140 + 300, OPTIMIZER, "A", 0)
+    assert peak.gradient_bytes == 50 - 20  # the step's own gradients (the accumulated ones are outside's)
     assert step_peak([stepped], graphs, levels, ("forward", "backward")) == step_peak([shape], graphs, levels)
     # A plan can do nothing about it: over the target, the step is infeasible whatever the activations' plans.
     tight = {k: graph(k, p, target=400, shared=100, gradients=25) for k in "AB"}
@@ -178,6 +179,18 @@ def test_the_optimizer_step_is_a_phase_on_top_of_what_the_step_holds_at_its_end(
                      call_parameter_bytes=(40, 30, 20), call_gradient_bytes=(40, 30, 0), offload_blocks=blocks)
     out = with_offloaded(kept, {"a", "c"})
     assert (out.outside_bytes, out.accumulated_bytes) == (10, 3)
+
+
+def test_a_backward_peak_names_the_gradients_alive_there():
+    p = problem()
+    # A's backward makes 10 B of gradients at step 6 and 15 B at step 9; B's backward (it runs first) 200 B.
+    graphs = {"A": GraphStep("A", p, 10_000, 0, 100, 25, ((6, 10), (9, 15))), "B": graph("B", p, target=10_000,
+                                                                                      shared=100, gradients=200)}
+    assert [graphs["A"].gradients_at(s) for s in (5, 6, 8, 9)] == [0, 10, 10, 25]
+    levels = {k: GraphLevels.of(p, (SAVE, SAVE)) for k in "AB"}
+    peak = step_peak([StepShape(("A", "B"), 0)], graphs, levels, ("backward",))
+    assert peak.phase == "backward" and peak.graph == "A"  # A's backward runs with B's gradients left behind
+    assert peak.gradient_bytes == graphs["A"].gradients_at(peak.step) + 200
 
 
 def test_plan_step_keeps_plans_that_already_fit_the_step():

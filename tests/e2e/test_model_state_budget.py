@@ -57,7 +57,7 @@ def test_optimizer_state_is_counted_and_a_compressed_lever_meets_a_budget_activa
     else:
         raise AssertionError("fp32 AdamW state and activation plans alone met a budget below their lowest peak")
     assert "the smallest step peak dpcs can reach" in message and "optimizer state" in message
-    assert "parameters" in message and "activations and gradients" in message
+    assert "parameters" in message and "gradients" in message and "activations" in message
 
     chosen = train(budget, auto=True)
     options = chosen["record"].optimizer_state["options"]
@@ -246,6 +246,9 @@ def test_the_optimizer_step_is_planned_as_a_phase_of_the_step():
           f"{record.optimizer_bytes} B)")
     assert plain["measured"] > plain["forward_backward"] + 1_000_000, "the optimizer step is the step's peak"
     assert record.peak_phase == "optimizer" and record.split()["optimizer_step"] == record.optimizer_bytes > 0
+    # every gradient is alive in the optimizer step: as many bytes as the parameters
+    assert record.split()["gradients"] == record.split()["parameters"] == sum(
+        p.numel() * 4 for p in _Stack().parameters())
     assert abs(plain["measured"] - record.predicted_peak_bytes) <= 0.01 * plain["measured"]
 
     budget = (plain["forward_backward"] + plain["measured"]) // 2

@@ -300,6 +300,8 @@ class StepSharing:
     # held by two graphs of a step (one's output another's input, both saved), counted once (`runtime/step.py`).
     held_inputs: tuple[int, ...] = ()
     held_outputs: tuple[int, ...] = ()
+    # (schedule step that makes it, bytes) of each parameter gradient its backward returns, in step order.
+    gradient_steps: tuple[tuple[int, int], ...] = ()
 
 
 def step_sharing(planning: PlanningGraph, num_fwd_outputs: int) -> StepSharing:
@@ -325,13 +327,18 @@ def step_sharing(planning: PlanningGraph, num_fwd_outputs: int) -> StepSharing:
         elif category in ("input", "output") and b.producer not in schedule.late_inputs and not read_by_backward(b):
             shared += live.hint(b)
     gradients = 0
+    made: list[tuple[int, int]] = []
+    index = {n: i for i, n in enumerate(schedule.nodes)}
     (joint,) = schedule.graphs[:1]
     primals = [n for n in joint.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
     output = next(n for n in reversed(joint.graph.nodes) if n.op == "output")
     outputs = list(pytree.tree_leaves(output.args[0], is_leaf=lambda x: x is None))
     for primal, grad in zip(primals, outputs[num_fwd_outputs:]):
         if primal in schedule.parameters and isinstance(grad, fx.Node):
-            gradients += sum(live.hint(b) for b in live.references.get(primal, ()))
+            nbytes = sum(live.hint(b) for b in live.references.get(primal, ()))
+            gradients += nbytes
+            # made at its node (a gradient that is no compute node of its own: from the backward's start)
+            made.append((index.get(grad, planning.backward_start), nbytes))
 
     def held(node: object) -> bool:
         return isinstance(node, fx.Node) and any(read_by_backward(b) for b in live.references.get(node, ()))
@@ -342,4 +349,5 @@ def step_sharing(planning: PlanningGraph, num_fwd_outputs: int) -> StepSharing:
         gradient_bytes=gradients,
         held_inputs=tuple(i for i, p in enumerate(primals) if p not in schedule.parameters and held(p)),
         held_outputs=tuple(i for i, o in enumerate(outputs[:num_fwd_outputs]) if held(o)),
+        gradient_steps=tuple(sorted(made)),
     )
