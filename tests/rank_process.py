@@ -15,6 +15,21 @@ import torch.distributed as dist
 _fault_log = None
 
 
+def sharded_stack(world: int):
+    """Two linear layers (48 -> 96 -> 40), seeded, each and the whole sharded with FSDP2 over `world` CPU ranks."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(48, 96), torch.nn.GELU(), torch.nn.Linear(96, 40))
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def join(store: str, rank: int, world: int) -> None:
     """Join the gloo group of `world` ranks through the file `store` (a collective waits 120 s at most)."""
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rank_process import join, leave, report_crashes  # noqa: E402
+from rank_process import join, leave, report_crashes, sharded_stack  # noqa: E402
 
 from dpcs_compiler.runtime.compressed_optimizer import CompressedOptimizer  # noqa: E402
 
@@ -27,15 +27,7 @@ POLICY = {"exp_avg": "int8", "exp_avg_sq": "fp16"}
 
 
 def sharded_model_and_optimizer(world: int):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(48, 96), torch.nn.GELU(), torch.nn.Linear(96, 40))
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = sharded_stack(world)
     inner = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2), weight_decay=0.1)
     return model, CompressedOptimizer(inner, states=POLICY, block_size=16, min_elements=64)
 

@@ -1,0 +1,271 @@
+"""Checkpoints a killed run resumes from by itself: sharded through `torch.distributed.checkpoint` (DCP),
+committed atomically, checked before they are loaded.
+
+    step = checkpoint.resume("ckpt", model=model, optimizer=optimizer, runtime=runtime, extra=position) or 0
+    while step < steps:
+        ...  # one training step
+        step += 1
+        if step % 100 == 0:
+            checkpoint.save("ckpt", step, model=model, optimizer=optimizer, runtime=runtime, extra=position)
+
+Layout: one directory per checkpoint, `DIR/step_000000123/`, holding DCP's files (one per rank that holds
+data, and `.metadata`), `dpcs.json` (the step, the dpcs `Runtime`'s state and `extra`) and `MANIFEST.json`
+(every other file's size and sha256). A checkpoint is written under `DIR/.step_000000123.partial`; once every
+rank wrote its part, rank 0 writes the manifest and renames the directory: a directory named `step_*` is a
+complete checkpoint, and a save killed before the rename leaves only a `.partial` one, which resume ignores
+and the next save removes. `resume` loads the newest complete checkpoint whose files match its manifest; one
+that does not (a file missing, truncated or changed) is skipped with a warning naming it, never loaded.
+The newest `keep` complete checkpoints are kept.
+
+Model and optimizer states go through `torch.distributed.checkpoint.state_dict` (`get_state_dict` /
+`set_state_dict`): a plain module, DDP or FSDP2, and a `CompressedOptimizer`'s compressed state; a checkpoint
+written by N ranks loads on any number (DCP reshards). In a distributed job every rank calls `save` and
+`resume` at the same point of its loop: rank 0 alone commits, prunes and chooses what to load, and the others
+follow it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import warnings
+from collections.abc import MutableMapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dpcs_compiler import rank_agreement
+
+log = logging.getLogger("dpcs.checkpoint")
+
+FORMAT = 1  # of dpcs.json and MANIFEST.json
+MANIFEST = "MANIFEST.json"
+STATE = "dpcs.json"
+_NAME = re.compile(r"^step_(\d{9,})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or loaded as asked."""
+
+
+def checkpoint_dir(directory: str | os.PathLike, step: int) -> Path:
+    """Where the complete checkpoint of `step` lives."""
+    return Path(directory) / f"step_{step:09d}"
+
+
+def save(directory: str | os.PathLike, step: int, *, model: torch.nn.Module | None = None,
+         optimizer: torch.optim.Optimizer | None = None, runtime: Any = None,
+         extra: MutableMapping[str, Any] | None = None, keep: int = 3) -> Path:
+    """Write the checkpoint of `step` (every rank calls it) and return its directory once committed.
+
+    model / optimizer: saved through DCP (an optimizer needs its model); runtime: a dpcs `Runtime`, its state
+    saved; extra: JSON values of your own (the data position, the RNG seed), given back by `resume`;
+    keep: complete checkpoints kept, the newest (this one among them), older ones removed.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    _check_step(step)
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"checkpoint.save: keep={keep!r} is not valid; valid choices: an int >= 1")
+    if optimizer is not None and model is None:
+        raise ValueError("checkpoint.save: an optimizer's state is saved with its model; pass model= too")
+    try:
+        payload = json.dumps({"format": FORMAT, "step": step,
+                              "runtime": None if runtime is None else runtime.state_dict(),
+                              "extra": None if extra is None else dict(extra)})
+    except TypeError as error:
+        raise ValueError(f"checkpoint.save: extra={extra!r} is not valid: {error}; valid choices: a dict of "
+                         "JSON values (str, int, float, bool, None, lists and dicts of them)") from None
+    root = Path(directory)
+    final = checkpoint_dir(root, step)
+    partial = root / f".{final.name}.partial"
+
+    def prepare() -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(".step_*.partial"):  # saves killed midway
+            shutil.rmtree(stale, ignore_errors=True)
+        partial.mkdir()
+
+    _on_rank_zero(prepare, "checkpoint directory")
+    tensors = _state(model, optimizer)
+    if tensors:
+        with _single_process_quiet():
+            dcp.save(tensors, checkpoint_id=str(partial))
+    _barrier()  # every rank's files are written (and synced: DCP's writer fsyncs them)
+
+    def commit() -> str:
+        (partial / STATE).write_text(payload)
+        files = sorted(p for p in partial.rglob("*") if p.is_file())
+        manifest = {"format": FORMAT, "step": step,
+                    "files": {str(p.relative_to(partial)): [p.stat().st_size, _sha256(p)] for p in files}}
+        _write_synced(partial / MANIFEST, json.dumps(manifest, indent=1))
+        _fsync_dir(partial)
+        replaced = None
+        if final.exists():  # the same step saved again: the old one out of the way first, removed after
+            replaced = root / f".{final.name}.replaced"
+            shutil.rmtree(replaced, ignore_errors=True)
+            final.rename(replaced)
+        partial.rename(final)
+        _fsync_dir(root)
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
+        for old in _complete(root)[keep:]:
+            shutil.rmtree(old, ignore_errors=True)
+        return str(final)
+
+    committed = Path(_on_rank_zero(commit, "checkpoint commit"))
+    log.info("dpcs: checkpoint of step %d written to %s", step, committed)
+    return committed
+
+
+def resume(directory: str | os.PathLike, *, model: torch.nn.Module | None = None,
+           optimizer: torch.optim.Optimizer | None = None, runtime: Any = None,
+           extra: MutableMapping[str, Any] | None = None) -> int | None:
+    """Load the newest complete checkpoint under `directory` that matches its manifest into what is given
+    (every rank calls it) and return its step; None when there is none (a first run). `extra` is updated
+    with the values saved with it. Checkpoints that do not match their manifest are skipped with a warning."""
+    import torch.distributed.checkpoint as dcp
+
+    if optimizer is not None and model is None:
+        raise ValueError("checkpoint.resume: an optimizer's state is loaded with its model; pass model= too")
+
+    def choose() -> tuple[str | None, list[str]]:
+        skipped = []
+        for candidate in _complete(Path(directory)):
+            problem = verify(candidate)
+            if problem is None:
+                return str(candidate), skipped
+            skipped.append(f"dpcs: checkpoint {candidate} is skipped, not loaded: {problem}")
+        return None, skipped
+
+    chosen, skipped = _on_rank_zero(choose, "checkpoint to resume from")
+    for message in skipped:
+        warnings.warn(message, stacklevel=2)
+    if chosen is None:
+        return None
+    path = Path(chosen)
+    saved = json.loads((path / STATE).read_text())
+    if saved.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {path}: format {saved.get('format')!r}; this dpcs reads {FORMAT}")
+    tensors = _state(model, optimizer)
+    if tensors:
+        with _single_process_quiet():
+            dcp.load(tensors, checkpoint_id=str(path))
+        _load_state(model, optimizer, tensors)
+    if runtime is not None:
+        if saved["runtime"] is None:
+            raise CheckpointError(f"checkpoint {path} holds no Runtime state; resume without runtime=")
+        runtime.load_state_dict(saved["runtime"])
+    if extra is not None and saved["extra"] is not None:
+        extra.update(saved["extra"])
+    log.info("dpcs: resumed from %s (step %d)", path, saved["step"])
+    return int(saved["step"])
+
+
+def latest(directory: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint under `directory` that matches its manifest (no warnings)."""
+    return next((c for c in _complete(Path(directory)) if verify(c) is None), None)
+
+
+def verify(path: str | os.PathLike) -> str | None:
+    """What is wrong with the checkpoint at `path` against its manifest (None: every file is there, of its
+    size and sha256, and nothing else is)."""
+    path = Path(path)
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        files = manifest["files"]
+    except FileNotFoundError:
+        return f"no {MANIFEST}"
+    except (ValueError, KeyError, TypeError) as error:
+        return f"{MANIFEST} does not parse ({error})"
+    present = {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()} - {MANIFEST}
+    if present != set(files):
+        missing, unknown = sorted(set(files) - present), sorted(present - set(files))
+        return f"files missing {missing}" if missing else f"files not in its manifest {unknown}"
+    for name, (size, digest) in sorted(files.items()):
+        file = path / name
+        if file.stat().st_size != size:
+            return f"{name} is {file.stat().st_size} bytes, {size} were written (truncated or changed)"
+        if _sha256(file) != digest:
+            return f"{name} does not match its sha256 (changed after it was written)"
+    return None
+
+
+def _check_step(step: int) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"checkpoint: step={step!r} is not valid; valid choices: an int >= 0")
+
+
+def _complete(root: Path) -> list[Path]:
+    """The complete checkpoints under `root`, newest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def _state(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if model is None:
+        return {}
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
+def _load_state(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
+                tensors: dict[str, Any]) -> None:
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    if optimizer is None:
+        set_model_state_dict(model, tensors["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optimizer"])
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """DCP warns at every save and load of a single process that it assumes one: that is what is meant here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _on_rank_zero(compute, what: str):
+    return compute() if rank_agreement.world() is None else rank_agreement.from_rank_zero(compute, what)
+
+
+def _barrier() -> None:
+    if rank_agreement.world() is not None:
+        rank_agreement.every_rank(None)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,200 @@
+"""Checkpoints a killed run resumes from: committed atomically, checked against their manifest before they are
+loaded, the newest kept, and a run resumed from one continuing bit for bit (single process and 2 gloo ranks
+under FSDP2, resumed on 2 ranks and on 1)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dpcs_compiler import Runtime, checkpoint
+from dpcs_compiler.runtime import CompressedOptimizer
+from dpcs_testing import dpcs_compile, run_rank_processes
+
+
+def net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+
+
+def data(steps: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randn(8, 16, generator=generator) for _ in range(steps)]
+
+
+def train(model, optimizer, batches, runtime=None) -> list[float]:
+    losses = []
+    for x in batches:
+        loss = model(x).square().mean()
+        loss.backward()
+        optimizer.step()
+        if runtime is not None:
+            runtime.step(loss=loss, optimizer=optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("compressed", [False, True], ids=["adamw", "compressed-int8"])
+def test_a_resumed_run_continues_as_the_uninterrupted_one_bit_for_bit(tmp_path, compressed):
+    def optimizer_of(model):
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return CompressedOptimizer(inner, states="int8", min_elements=0) if compressed else inner
+
+    batches = data(6)
+    model = net()
+    optimizer = optimizer_of(model)
+    train(model, optimizer, batches[:3])
+    path = checkpoint.save(tmp_path, 3, model=model, optimizer=optimizer, extra={"batch": 3, "seed": 1})
+    assert path == tmp_path / "step_000000003" and checkpoint.verify(path) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000000003"], "no partial directory left"
+    uninterrupted = train(model, optimizer, batches[3:])
+
+    fresh = net()
+    fresh_optimizer = optimizer_of(fresh)
+    extra: dict = {}
+    step = checkpoint.resume(tmp_path, model=fresh, optimizer=fresh_optimizer, extra=extra)
+    assert step == 3 and extra == {"batch": 3, "seed": 1}
+    assert train(fresh, fresh_optimizer, batches[step:]) == uninterrupted
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_the_runtime_comes_back_with_its_state(tmp_path):
+    model = net()
+    compiled = dpcs_compile(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    runtime = Runtime(model, signal_every=1)
+    train(compiled, optimizer, data(3), runtime)
+    checkpoint.save(tmp_path, 3, model=model, optimizer=optimizer, runtime=runtime)
+    again = Runtime(net(), signal_every=1)
+    assert checkpoint.resume(tmp_path, model=net(), runtime=again) == 3
+    assert again.state_dict() == runtime.state_dict() and again.step_count == 3
+    runtime.close()
+    again.close()
+    with pytest.raises(checkpoint.CheckpointError, match="no Runtime state"):
+        checkpoint.save(tmp_path, 4, model=model)
+        checkpoint.resume(tmp_path, runtime=Runtime(net()))
+
+
+def test_the_newest_checkpoints_are_kept_and_a_first_run_finds_none(tmp_path):
+    assert checkpoint.resume(tmp_path / "none") is None and checkpoint.latest(tmp_path) is None
+    model = net()
+    for step in range(1, 6):
+        checkpoint.save(tmp_path, step, model=model, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000000004", "step_000000005"]
+    assert checkpoint.latest(tmp_path) == tmp_path / "step_000000005"
+    checkpoint.save(tmp_path, 5, model=model, keep=2)  # the same step again replaces it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000000004", "step_000000005"]
+
+
+def break_truncate(path: Path) -> None:
+    file = max((p for p in path.iterdir() if p.suffix == ".distcp"), key=lambda p: p.stat().st_size)
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+
+
+def break_flip(path: Path) -> None:
+    file = max((p for p in path.iterdir() if p.suffix == ".distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+def break_remove(path: Path) -> None:
+    (path / ".metadata").unlink()
+
+
+def break_manifest(path: Path) -> None:
+    (path / checkpoint.MANIFEST).write_text("{")
+
+
+@pytest.mark.parametrize("damage", [break_truncate, break_flip, break_remove, break_manifest],
+                         ids=["truncated", "changed", "file-missing", "manifest-broken"])
+def test_a_damaged_checkpoint_is_skipped_with_a_warning_naming_it_never_loaded(tmp_path, damage):
+    batches = data(4)
+    model = net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, optimizer, batches[:2])
+    checkpoint.save(tmp_path, 2, model=model, optimizer=optimizer)
+    expected = [p.detach().clone() for p in model.parameters()]
+    train(model, optimizer, batches[2:])
+    newest = checkpoint.save(tmp_path, 4, model=model, optimizer=optimizer)
+    damage(newest)
+    assert checkpoint.verify(newest) is not None
+    fresh = net()
+    with pytest.warns(UserWarning, match=f"checkpoint {newest} is skipped, not loaded"):
+        step = checkpoint.resume(tmp_path, model=fresh, optimizer=torch.optim.AdamW(fresh.parameters()))
+    assert step == 2
+    for a, b in zip(expected, fresh.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_a_save_killed_before_its_commit_leaves_nothing_resume_would_load(tmp_path):
+    """What a save killed midway leaves: a `.partial` directory (resume ignores it, the next save removes
+    it); the checkpoint before it is the one resumed."""
+    model = net()
+    checkpoint.save(tmp_path, 1, model=model)
+    (tmp_path / ".step_000000002.partial").mkdir()
+    (tmp_path / ".step_000000002.partial" / "__0_0.distcp").write_bytes(b"half")
+    assert checkpoint.resume(tmp_path, model=net()) == 1
+    checkpoint.save(tmp_path, 3, model=model)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000000001", "step_000000003"]
+
+
+def test_bad_input_names_the_value_and_the_choices(tmp_path):
+    with pytest.raises(ValueError, match="keep=0 is not valid; valid choices: an int >= 1"):
+        checkpoint.save(tmp_path, 1, model=net(), keep=0)
+    with pytest.raises(ValueError, match="step=-1 is not valid"):
+        checkpoint.save(tmp_path, -1, model=net())
+    with pytest.raises(ValueError, match="pass model= too"):
+        checkpoint.save(tmp_path, 1, optimizer=torch.optim.SGD(net().parameters(), lr=1))
+    with pytest.raises(ValueError, match="a dict of JSON values"):
+        checkpoint.save(tmp_path, 1, model=net(), extra={"tensor": torch.ones(1)})
+    assert not list(tmp_path.iterdir()), "nothing written for a refused save"
+
+
+WORKER = Path(__file__).resolve().parent / "checkpoint_rank_worker.py"
+
+
+def run_ranks(tmp_path: Path, name: str, mode: str, directory: Path) -> list[dict]:
+    results = [tmp_path / f"{name}{rank}.pt" for rank in range(2)]
+    commands = [[sys.executable, str(WORKER), str(rank), "2", str(tmp_path / f"{name}.store"), str(directory),
+                 str(results[rank]), mode] for rank in range(2)]
+    run_rank_processes(commands, [os.environ | {"OMP_NUM_THREADS": "1"}] * 2)
+    return [torch.load(r) for r in results]
+
+
+def test_a_checkpoint_of_two_fsdp2_ranks_resumes_on_two_and_on_one(tmp_path):
+    directory = tmp_path / "checkpoints"
+    uninterrupted = run_ranks(tmp_path, "save", "save", directory)
+    manifest = json.loads((directory / "step_000000003" / checkpoint.MANIFEST).read_text())
+    assert len([f for f in manifest["files"] if f.endswith(".distcp")]) == 2, "each rank wrote its shards"
+    resumed = run_ranks(tmp_path, "resume", "resume", directory)
+    for run in resumed:
+        assert run["start"] == 3 and run["extra"] == {"batch": 3}
+        for a, b in zip(uninterrupted[0]["parameters"], run["parameters"]):
+            assert torch.equal(a, b)
+    # One process, no sharding: the two ranks' shards loaded whole (DCP reshards), and its steps on both
+    # ranks' batches at once (FSDP2 averages the ranks' gradients of equal batches) give the same model.
+    sys.path.insert(0, str(WORKER.parent))
+    from checkpoint_rank_worker import STEPS, batches
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(48, 96), torch.nn.GELU(), torch.nn.Linear(96, 40))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    extra: dict = {}
+    assert checkpoint.resume(directory, model=model, optimizer=optimizer, extra=extra) == 3
+    assert extra == {"batch": 3}
+    both = [torch.cat(pair) for pair in zip(batches(0), batches(1))]
+    for x in both[3:STEPS]:
+        # each rank's loss is the mean over its own 8 rows: their average is the mean over all 16
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    for a, b in zip(uninterrupted[0]["parameters"], model.parameters()):
+        torch.testing.assert_close(b.detach(), a, rtol=1e-5, atol=1e-6)
