@@ -33,6 +33,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 import warnings
 from collections.abc import MutableMapping
 from pathlib import Path
@@ -59,18 +60,57 @@ def checkpoint_dir(directory: str | os.PathLike, step: int) -> Path:
     return Path(directory) / f"step_{step:09d}"
 
 
+class PendingSave:
+    """An asynchronous save under way (`save(..., asynchronous=True)`): its tensors were copied out and its
+    files are written in the background. `result()` waits for them and commits the checkpoint; every rank calls
+    it at the same point (the next `save` and `checkpoint.wait()` do). Not committed, it is not a checkpoint:
+    a job that ends or dies first leaves it partial."""
+
+    def __init__(self, future: Any, finish: Any) -> None:
+        self._future, self._finish, self._path = future, finish, None
+
+    def done(self) -> bool:
+        """Whether its files are written (it may still need `result()` to commit)."""
+        return self._path is not None or self._future.done()
+
+    def result(self) -> Path:
+        """Wait for its files, commit it and return its directory."""
+        if self._path is None:
+            self._future.result()
+            if _PENDING and _PENDING[0] is self:
+                _PENDING.clear()
+            self._path = self._finish()
+        return self._path
+
+
+_PENDING: list[PendingSave] = []  # the asynchronous save under way, at most one
+_ASYNC_GROUP: list[Any] = []  # the gloo group DCP's background saves use (not the training's collectives')
+
+
+def wait() -> Path | None:
+    """Commit the asynchronous save under way, if any (every rank calls it): its directory, or None."""
+    return _PENDING[0].result() if _PENDING else None
+
+
 def save(directory: str | os.PathLike, step: int, *, model: torch.nn.Module | None = None,
          optimizer: torch.optim.Optimizer | None = None, runtime: Any = None,
-         extra: MutableMapping[str, Any] | None = None, keep: int = 3) -> Path:
+         extra: MutableMapping[str, Any] | None = None, keep: int = 3,
+         asynchronous: bool = False) -> Path | PendingSave:
     """Write the checkpoint of `step` (every rank calls it) and return its directory once committed.
 
     model / optimizer: saved through DCP (an optimizer needs its model); runtime: a dpcs `Runtime`, its state
     saved; extra: JSON values of your own (the data position, the RNG seed), given back by `resume`;
     keep: complete checkpoints kept, the newest (this one among them), older ones removed.
+    asynchronous: copy the tensors out and return a `PendingSave` at once, the files written in the
+    background by DCP's `async_save` (on a gloo group of its own in a distributed job); the checkpoint is
+    committed at its `result()`, the next `save` or `checkpoint.wait()`.
     """
     import torch.distributed.checkpoint as dcp
 
+    wait()  # one save at a time: the one under way is committed first
     _check_step(step)
+    if not isinstance(asynchronous, bool):
+        raise ValueError(f"checkpoint.save: asynchronous={asynchronous!r} is not valid; valid choices: True, False")
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ValueError(f"checkpoint.save: keep={keep!r} is not valid; valid choices: an int >= 1")
     if optimizer is not None and model is None:
@@ -92,18 +132,28 @@ def save(directory: str | os.PathLike, step: int, *, model: torch.nn.Module | No
             shutil.rmtree(stale, ignore_errors=True)
         partial.mkdir()
 
-    _on_rank_zero(prepare, "checkpoint directory")
-    tensors = _state(model, optimizer)
-    if tensors:
-        with _single_process_quiet():
-            dcp.save(tensors, checkpoint_id=str(partial))
-    _barrier()  # every rank's files are written (and synced: DCP's writer fsyncs them)
+    digested: dict[str, list] = {}  # an asynchronous save's files, hashed in the background once written
+    digesting = threading.Event()
+
+    def digest() -> None:
+        try:
+            for p in sorted(partial.rglob("*")):
+                if p.is_file():
+                    digested[str(p.relative_to(partial))] = [p.stat().st_size, _sha256(p)]
+        finally:
+            digesting.set()
 
     def commit() -> str:
         (partial / STATE).write_text(payload)
+        if asynchronous:
+            digesting.wait(timeout=600)
         files = sorted(p for p in partial.rglob("*") if p.is_file())
-        manifest = {"format": FORMAT, "step": step,
-                    "files": {str(p.relative_to(partial)): [p.stat().st_size, _sha256(p)] for p in files}}
+        entries = {}
+        for p in files:
+            name, size = str(p.relative_to(partial)), p.stat().st_size
+            known = digested.get(name)
+            entries[name] = known if known is not None and known[0] == size else [size, _sha256(p)]
+        manifest = {"format": FORMAT, "step": step, "files": entries}
         _write_synced(partial / MANIFEST, json.dumps(manifest, indent=1))
         _fsync_dir(partial)
         replaced = None
@@ -119,9 +169,32 @@ def save(directory: str | os.PathLike, step: int, *, model: torch.nn.Module | No
             shutil.rmtree(old, ignore_errors=True)
         return str(final)
 
-    committed = Path(_on_rank_zero(commit, "checkpoint commit"))
-    log.info("dpcs: checkpoint of step %d written to %s", step, committed)
-    return committed
+    def finish() -> Path:
+        # Every rank's files are written (DCP's writer fsyncs them; its coordinator wrote `.metadata` after
+        # gathering every rank's results): rank 0 commits.
+        _barrier()
+        committed = Path(_on_rank_zero(commit, "checkpoint commit"))
+        log.info("dpcs: checkpoint of step %d written to %s", step, committed)
+        return committed
+
+    _on_rank_zero(prepare, "checkpoint directory")
+    tensors = _state(model, optimizer)
+    if asynchronous and tensors:
+        with _single_process_quiet():
+            response = dcp.async_save(tensors, checkpoint_id=str(partial), process_group=_async_group(),
+                                      no_dist=rank_agreement.world() is None)
+        future = getattr(response, "upload_completion", response)
+        if (rank_agreement.world() or (0, 1))[0] == 0:  # the files hashed as soon as written, off this thread
+            future.add_done_callback(lambda _: digest())
+        else:
+            digesting.set()
+        pending = PendingSave(future, finish)
+        _PENDING.append(pending)
+        return pending
+    if tensors:
+        with _single_process_quiet():
+            dcp.save(tensors, checkpoint_id=str(partial))
+    return finish()
 
 
 def resume(directory: str | os.PathLike, *, model: torch.nn.Module | None = None,
@@ -237,6 +310,18 @@ def _single_process_quiet():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         yield
+
+
+def _async_group() -> Any:
+    """A gloo group of every rank for DCP's background save (None in a single process): the training's own
+    collectives go on meanwhile on theirs."""
+    if rank_agreement.world() is None:
+        return None
+    if not _ASYNC_GROUP:
+        import torch.distributed as dist
+
+        _ASYNC_GROUP.append(dist.new_group(backend="gloo"))
+    return _ASYNC_GROUP[0]
 
 
 def _on_rank_zero(compute, what: str):

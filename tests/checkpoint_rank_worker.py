@@ -3,7 +3,8 @@
     python checkpoint_rank_worker.py RANK WORLD STORE_FILE CHECKPOINT_DIR RESULT_FILE MODE
 
 A two-layer stack sharded with FSDP2 (`fully_shard` per layer) trains with AdamW on batches of its rank.
-MODE "save": 3 steps, a checkpoint of step 3 (with extra={"batch": 3}), 2 more steps. MODE "resume": resume
+MODE "save": 3 steps, a checkpoint of step 3 (with extra={"batch": 3}), 2 more steps ("save-async": the
+checkpoint saved asynchronously, committed after the last step). MODE "resume": resume
 from the newest checkpoint, then the steps after it. MODE "run" (the kill trials): resume if there is a
 checkpoint, then up to RUN_STEPS steps with a checkpoint after each (keep 2), on batches fixed by step and
 rank; rank 0 touches READY_FILE (a 7th argument) when its loop starts. The result holds the step resumed,
@@ -65,8 +66,10 @@ def main() -> None:
         model(x).square().mean().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if mode == "save" and step + 1 == 3:
-            checkpoint.save(directory, 3, model=model, optimizer=optimizer, extra={"batch": 3})
+        if mode.startswith("save") and step + 1 == 3:
+            checkpoint.save(directory, 3, model=model, optimizer=optimizer, extra={"batch": 3},
+                            asynchronous=mode == "save-async")
+    checkpoint.wait()
     torch.save({"start": start, "extra": extra,
                 "parameters": [p.full_tensor().detach().clone() for p in model.parameters()]}, result)
     leave()

@@ -169,9 +169,10 @@ def run_ranks(tmp_path: Path, name: str, mode: str, directory: Path) -> list[dic
     return [torch.load(r) for r in results]
 
 
-def test_a_checkpoint_of_two_fsdp2_ranks_resumes_on_two_and_on_one(tmp_path):
+@pytest.mark.parametrize("mode", ["save", "save-async"], ids=["sync", "async"])
+def test_a_checkpoint_of_two_fsdp2_ranks_resumes_on_two_and_on_one(tmp_path, mode):
     directory = tmp_path / "checkpoints"
-    uninterrupted = run_ranks(tmp_path, "save", "save", directory)
+    uninterrupted = run_ranks(tmp_path, "save", mode, directory)
     manifest = json.loads((directory / "step_000000003" / checkpoint.MANIFEST).read_text())
     assert len([f for f in manifest["files"] if f.endswith(".distcp")]) == 2, "each rank wrote its shards"
     resumed = run_ranks(tmp_path, "resume", "resume", directory)
@@ -198,3 +199,30 @@ def test_a_checkpoint_of_two_fsdp2_ranks_resumes_on_two_and_on_one(tmp_path):
         optimizer.zero_grad(set_to_none=True)
     for a, b in zip(uninterrupted[0]["parameters"], model.parameters()):
         torch.testing.assert_close(b.detach(), a, rtol=1e-5, atol=1e-6)
+
+
+def test_an_asynchronous_save_holds_the_state_of_its_step_while_training_goes_on(tmp_path):
+    """The tensors are copied out when `save` returns: steps taken while the files are written change nothing
+    in the checkpoint, which is committed at the next save (or `wait`); until then it is only partial."""
+    batches = data(6)
+    model = net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, optimizer, batches[:3])
+    pending = checkpoint.save(tmp_path, 3, model=model, optimizer=optimizer, extra={"batch": 3}, asynchronous=True)
+    assert isinstance(pending, checkpoint.PendingSave)
+    at_save = [p.detach().clone() for p in model.parameters()]
+    uninterrupted = train(model, optimizer, batches[3:])  # in place, while the files may still be written
+    path = checkpoint.wait()
+    assert path == tmp_path / "step_000000003" and pending.result() == path and checkpoint.verify(path) is None
+    assert checkpoint.wait() is None, "nothing under way any more"
+    fresh = net()
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    assert checkpoint.resume(tmp_path, model=fresh, optimizer=fresh_optimizer) == 3
+    for a, b in zip(at_save, fresh.parameters()):
+        assert torch.equal(a, b)
+    assert train(fresh, fresh_optimizer, batches[3:]) == uninterrupted
+    # the next save commits the one under way first
+    first = checkpoint.save(tmp_path, 7, model=model, asynchronous=True)
+    checkpoint.save(tmp_path, 8, model=model)
+    assert first.done() and first.result() == tmp_path / "step_000000007"
+    assert checkpoint.latest(tmp_path) == tmp_path / "step_000000008"

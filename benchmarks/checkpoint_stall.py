@@ -1,0 +1,130 @@
+"""How long a checkpoint stalls training: a synchronous and an asynchronous `dpcs_compiler.checkpoint.save`
+against the training step, on the bench's small GPT with AdamW (single process).
+
+    python benchmarks/checkpoint_stall.py [--rounds 7] [--steps 3] [--out benchmarks/results]
+
+Per round, interleaved: `--steps` plain training steps (timed), then one step followed by a synchronous save
+(the save timed: the step stalls for all of it), then one step followed by an asynchronous save (timed until
+`save` returns: the tensors copied out), `--steps` steps while its files are written in the background (timed:
+they share the CPU with the writer), and its commit (`checkpoint.wait()`: what is left of the writing, the
+manifest and the rename). Medians over the rounds after a warm-up round; stalls reported as multiples of the
+step time.
+Writes checkpoint_stall_<device>.json and .png under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as a script from a checkout without the package installed
+    sys.path.insert(0, str(REPO))
+
+from dpcs_compiler import checkpoint  # noqa: E402
+from dpcs_compiler.models import bench_workload  # noqa: E402
+
+
+def measure(rounds: int, steps: int, directory: Path) -> dict:
+    w = bench_workload("gpt")
+    model = w.model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step() -> None:
+        w.loss_fn(model(*w.inputs)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def timed(fn) -> float:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    times: dict[str, list[float]] = {"step": [], "sync_save": [], "async_save": [], "step_while_writing": [],
+                                     "async_commit": []}
+    saved = 0
+    for round_ in range(rounds + 1):  # the first is a warm-up
+        step_times = [timed(step) for _ in range(steps)]
+        step()
+        saved += 1
+        sync = timed(lambda: checkpoint.save(directory, saved, model=model, optimizer=optimizer, keep=2))
+        step()
+        saved += 1
+        asynchronous = timed(lambda: checkpoint.save(directory, saved, model=model, optimizer=optimizer, keep=2,
+                                                     asynchronous=True))
+        during = [timed(step) for _ in range(steps)]
+        commit = timed(checkpoint.wait)
+        if round_ == 0:
+            continue
+        times["step"].extend(step_times)
+        times["step_while_writing"].extend(during)
+        times["sync_save"].append(sync)
+        times["async_save"].append(asynchronous)
+        times["async_commit"].append(commit)
+    medians = {k: statistics.median(v) for k, v in times.items()}
+    checkpoint_bytes = sum(p.stat().st_size for p in checkpoint.latest(directory).rglob("*") if p.is_file())
+    return {
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "checkpoint_bytes": checkpoint_bytes,
+        "seconds": times,
+        "median_seconds": medians,
+        "stall_in_steps": {k: medians[k] / medians["step"] for k in ("sync_save", "async_save", "async_commit")},
+        "step_while_writing_ratio": medians["step_while_writing"] / medians["step"],
+    }
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    medians = results["median_seconds"]
+    names = ["step", "sync_save", "async_save", "step_while_writing", "async_commit"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar(names, [medians[n] * 1e3 for n in names], color=["gray", "tab:red", "tab:green", "tab:olive", "tab:blue"])
+    ax.tick_params(axis="x", labelsize=8)
+    for i, n in enumerate(names):
+        ax.annotate(f"{medians[n] * 1e3:.1f} ms", (i, medians[n] * 1e3), ha="center", fontsize=8,
+                    xytext=(0, 2), textcoords="offset points")
+    ax.set_ylabel("ms (median)")
+    ax.set_title(f"checkpoint stall, small GPT ({results['checkpoint_bytes'] / 2**20:.1f} MiB checkpoint)\n"
+                 f"{results['device']}, torch {results['torch']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    args = parser.parse_args(argv)
+    device = f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    with tempfile.TemporaryDirectory() as directory:
+        results = {"device": device, "torch": torch.__version__, "python": platform.python_version(),
+                   **measure(args.rounds, args.steps, Path(directory))}
+    medians, stall = results["median_seconds"], results["stall_in_steps"]
+    print(f"small GPT, {results['parameters'] / 1e6:.2f}M parameters, checkpoint "
+          f"{results['checkpoint_bytes'] / 2**20:.1f} MiB, {device}: step {medians['step'] * 1e3:.1f} ms; "
+          f"synchronous save {medians['sync_save'] * 1e3:.1f} ms ({stall['sync_save']:.2f} steps); asynchronous "
+          f"save returns in {medians['async_save'] * 1e3:.1f} ms ({stall['async_save']:.2f} steps), steps while it "
+          f"writes {results['step_while_writing_ratio']:.2f}x, its commit {medians['async_commit'] * 1e3:.1f} ms "
+          f"({stall['async_commit']:.2f} steps)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "checkpoint_stall_cpu.json"
+    path.write_text(json.dumps(results, indent=1) + "\n")
+    plot(results, path.with_suffix(".png"))
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
