@@ -144,11 +144,7 @@ class CpuMemoryProfile:
     def window_peaks(self, bounds: Sequence[int]) -> list[int]:
         """The highest bytes allocated above the level at `start()` in each window: up to `bounds[0]`, then
         between consecutive bounds (profiler clock, ns, ascending), then after the last; stops the profiler."""
-        memory = sorted(
-            ((e.start_ns(), e.nbytes()) for e in self._stopped_events()
-             if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU),
-            key=lambda event: event[0],  # stable: events at one instant keep their order
-        )
+        memory = sorted(self._allocations(), key=lambda event: event[0])  # stable: one instant keeps its order
         peaks = [0] * (len(bounds) + 1)
         window = level = 0
         for at, nbytes in memory:
@@ -163,12 +159,16 @@ class CpuMemoryProfile:
 
     def level(self) -> int:
         """The bytes allocated above the level at `start()` when it stopped; stops the profiler."""
-        return sum(e.nbytes() for e in self._stopped_events()
-                   if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+        return sum(nbytes for _, nbytes in self._allocations())
 
     def peak_increase_bytes(self) -> int:
         """The highest bytes allocated above the level at `start()`; stops the profiler first."""
         return self.window_peaks(())[0]
+
+    def _allocations(self) -> list[tuple[int, int]]:
+        """(when, bytes: negative for a free) of each CPU allocator event, in the profiler's order."""
+        return [(e.start_ns(), e.nbytes()) for e in self._stopped_events()
+                if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
 
     def _stopped_events(self) -> list[Any]:
         self.stop()

@@ -165,9 +165,9 @@ class StepRecorder:
         # The optimizer step after a watched step (`_OptimizerMeter`): the step's key while one may follow, the
         # meter of the optimizer step under way, and the most its steps allocated beyond what they started and
         # ended with, per kind of step (steady; or making new state, a first step). Per shape: the temporaries
-        # measured (beyond the decoded chunks of "auto" CompressedOptimizers, which each lever counts itself) and
-        # whether from a steady step, how often they were updated, and what the training loop held when the
-        # step's backwards ended beyond its plan (`_correct`).
+        # measured per way of keeping the model state (`_regime`) and whether from a steady step, how often they
+        # were updated, and what the training loop held when the step's backwards ended beyond its plan
+        # (`_correct`).
         self.optimizer_key: tuple | None = None
         self.optimizer_meter: _OptimizerMeter | None = None
         self.optimizer_seen: dict[bool, int] = {}
@@ -380,10 +380,11 @@ class StepRecorder:
 
     def _optimizer_measured(self) -> None:
         """The optimizer steps after the last watched step are over (its next forward call starts): what they
-        allocated beyond their start and end, less the decoded chunks of "auto" CompressedOptimizers (each lever
-        counts its own), is the step's `optimizer_bytes`. A step that made new state (a first step) counts only
-        until a steady one is measured; a steady figure replaces what was known when it differs. The step is
-        planned again when it changes. In a distributed job the ranks' figures are combined (the largest)."""
+        allocated beyond their start and end is the step's optimizer-step temporaries under the way the model
+        state is kept now (`_regime`; other ways are estimated from it, `_optimizer_bytes`). A step that made new
+        state (a first step) counts only until a steady one is measured; a steady figure replaces what was known
+        when it differs. The step is planned again when it changes. In a distributed job the ranks' figures are
+        combined (the largest)."""
         key, seen = self.optimizer_key, self.optimizer_seen
         self.optimizer_key, self.optimizer_seen = None, {}
         if self.optimizer_meter is not None:  # a step that never ended (it raised)
@@ -1175,10 +1176,12 @@ def _plan_with_model_state(
     rates = None
     if auto or (candidates and link_bytes_per_second is not None):
         device = next((o.device() for o in optimizers if isinstance(o, CompressedOptimizer)), torch.device("cpu"))
-        measured = measured_state_rates(str(device))
+        # Timed here only what the profile does not give: the codecs without a profile, the host step with a link.
+        timed = (measured_state_rates(str(device))
+                 if memory_bandwidth is None or link_bytes_per_second is not None else None)
         encode, decode = (codec_rates(memory_bandwidth) if memory_bandwidth is not None
-                          else (measured.encode_seconds, measured.decode_seconds))
-        rates = StateRates(encode, decode, link_bytes_per_second, measured.host_step_seconds)
+                          else (timed.encode_seconds, timed.decode_seconds))
+        rates = StateRates(encode, decode, link_bytes_per_second, timed.host_step_seconds if timed else 0.0)
     offloadable = len(candidates) if link_bytes_per_second is not None else 0
     state_levers: list[StateLever | None] = list(levers(host_is_device=link_bytes_per_second is None)) if auto else [None]
 
