@@ -11,6 +11,7 @@ from dpcs_compiler.measure import PeakMemory, measure_peak_memory
 from dpcs_compiler.options import DpcsOptions
 from dpcs_compiler.report import CompileRecord, clear_compile_records, compile_records
 from dpcs_compiler.runtime import (
+    Cadence,
     CompressedOptimizer,
     MemoryPolicy,
     MemoryPolicyConfig,
@@ -26,6 +27,7 @@ from dpcs_compiler.runtime import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "Cadence",
     "CompileRecord",
     "CompressedOptimizer",
     "MemoryPolicy",

@@ -5,7 +5,7 @@
     dpcs bench [ARGS ...]                         benchmark dpcs against eager/torch.compile (benchmarks/bench.py)
     dpcs hardware [--device D] [--profile P] [--refresh] [--json]
                                                   the hardware profile plans are costed with, and where it came from
-    dpcs plot TELEMETRY.jsonl [-o OUT.png]        draw a Runtime's telemetry: precision, budget, peak, headroom
+    dpcs plot TELEMETRY.jsonl [-o OUT.png]        draw a Runtime's telemetry: precision, budget, peak, headroom, cadence
 """
 
 from __future__ import annotations
@@ -139,7 +139,8 @@ summary.json. Without this command, set DPCS_DUMP_DIR (or the backend option dum
         description=(
             "Draw the telemetry a dpcs Runtime wrote (Runtime(..., telemetry=PATH)): the precision mode, the "
             "memory budget, the measured peak and the memory headroom over the steps, with every variant "
-            "compile (and its time) and every decision change marked."
+            "compile (and its time) and every decision change marked; with a Cadence writing to it, the "
+            "micro-batches each rank ran per sync, the anchor and the sync's overhead."
         ),
     )
     plot.add_argument("telemetry", metavar="TELEMETRY.jsonl", type=Path, help="the runtime's telemetry file")
@@ -283,7 +284,9 @@ def _plot_command(args: argparse.Namespace, parser: argparse.ArgumentParser, out
         return EXIT_USAGE
     compiles = sum(len(e["compiles"]) for e in entries if e.get("kind") == "compiles")
     reads = sum(e.get("kind") == "signals" for e in entries)
-    out.print(f"wrote {path}: {reads} signal reads, {compiles} variant compiles", markup=False, highlight=False)
+    syncs = sum(e.get("kind") == "cadence" for e in entries)
+    out.print(f"wrote {path}: {reads} signal reads, {compiles} variant compiles"
+              + (f", {syncs} cadence syncs" if syncs else ""), markup=False, highlight=False)
     return 0
 
 

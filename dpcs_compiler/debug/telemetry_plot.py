@@ -1,5 +1,6 @@
 """Draw a runtime's telemetry (`runtime/telemetry.py`): precision mode, memory budget, measured peak and
-headroom over the steps, with each variant compile marked and each policy change named.
+headroom over the steps, with each variant compile marked and each policy change named; with a `Cadence`
+(`runtime/cadence.py`), the micro-batches each rank ran per sync, the anchor and the sync's overhead.
 
     dpcs plot TELEMETRY.jsonl -o out.png
 """
@@ -17,9 +18,12 @@ def telemetry_series(entries: Sequence[dict[str, Any]]) -> dict[str, list]:
     """The plotted series: per signal read (step, mode, budget, peak, headroom), and the compile and switch
     events (step, label)."""
     series: dict[str, list] = {"step": [], "mode": [], "budget": [], "planned": [], "peak": [], "headroom": [],
-                               "compiles": [], "switches": [], "measured": []}
+                               "compiles": [], "switches": [], "measured": [], "cadence": []}
     for entry in entries:
         step = entry["step"]
+        if entry.get("kind") == "cadence":
+            series["cadence"].append((step, entry["ran"], entry["anchor_ran"], entry.get("overhead"), entry.get("idle_seconds")))
+            continue
         if entry.get("kind") == "measured" and entry.get("step_peak_bytes") is not None:
             series["measured"].append((step, entry["step_peak_bytes"]))
             continue
@@ -51,10 +55,19 @@ def plot_telemetry(entries: Sequence[dict[str, Any]], out: str | Path, title: st
     import matplotlib.pyplot as plt
 
     series = telemetry_series(entries)
-    if not series["step"] and not series["compiles"]:
-        raise ValueError("the telemetry has no signal reads or compile events to plot")
+    if not series["step"] and not series["compiles"] and not series["cadence"]:
+        raise ValueError("the telemetry has no signal reads, compile events or cadence syncs to plot")
+    runtime = bool(series["step"] or series["compiles"])
+    panels = (3 if runtime else 0) + (1 if series["cadence"] else 0)
+    fig, axes = plt.subplots(panels, 1, sharex=True, figsize=(11, 2.7 * panels), squeeze=False)
+    axes = list(axes[:, 0])
+    if series["cadence"]:
+        plot_cadence(axes[-1], series["cadence"])
+    if not runtime:
+        axes[0].set_title(title or "dpcs cadence: micro-batches per rank per sync")
+        return _save(fig, out)
+    ax_mode, ax_mem, ax_head = axes[:3]
     steps = series["step"]
-    fig, (ax_mode, ax_mem, ax_head) = plt.subplots(3, 1, sharex=True, figsize=(11, 8))
     ranks = [MODE_RANK.get(m, 0) + (0.1 if m == "fp16" else 0) for m in series["mode"]]
     ax_mode.step(steps, ranks, where="post", color="tab:blue")
     modes = [m for m in PRECISION_MODES if m in set(series["mode"])] or list(PRECISION_MODES)
@@ -77,8 +90,8 @@ def plot_telemetry(entries: Sequence[dict[str, Any]], out: str | Path, title: st
     process.set_ylabel("MiB (CUDA allocator / CPU process RSS peak)", color="tab:green", fontsize=8)
     ax_head.plot(steps, [h if h is not None else float("nan") for h in series["headroom"]], ".-", color="tab:purple")
     ax_head.set_ylabel("headroom")
-    ax_head.set_xlabel("step")
-    for ax in (ax_mode, ax_mem, ax_head):
+    axes[-1].set_xlabel("step")
+    for ax in axes:
         for step, _ in series["compiles"]:
             ax.axvline(step, color="tab:orange", linestyle="--", linewidth=1)
         for step, _ in series["switches"]:
@@ -90,6 +103,27 @@ def plot_telemetry(entries: Sequence[dict[str, Any]], out: str | Path, title: st
         ax_head.annotate(label[:80], (step, 0), xycoords=("data", "axes fraction"), xytext=(3, 6 + 10 * (i % 4)),
                          textcoords="offset points", fontsize=7, color="tab:gray")
     ax_mode.set_title(title or "dpcs runtime: decisions over steps (orange: variant compiled; gray: decision changed)")
+    return _save(fig, out)
+
+
+def plot_cadence(ax, cadence: Sequence[tuple]) -> None:
+    """Micro-batches each rank ran per sync (one line per rank), the anchor, and the sync's share of a round."""
+    steps = [step for step, *_ in cadence]
+    for rank in range(len(cadence[0][1])):
+        ax.step(steps, [ran[rank] for _, ran, *_ in cadence], where="post", label=f"rank {rank}")
+    ax.step(steps, [anchor for _, _, anchor, *_ in cadence], where="post", color="black", linestyle="--", label="anchor")
+    ax.set_ylabel("micro-batches per sync")
+    ax.legend(loc="upper left", fontsize=8)
+    measured = [(step, overhead) for step, _, _, overhead, _ in cadence if overhead is not None]
+    if measured:
+        share = ax.twinx()
+        share.plot([s for s, _ in measured], [100 * o for _, o in measured], ".", color="tab:gray")
+        share.set_ylabel("sync overhead %", color="tab:gray", fontsize=8)
+
+
+def _save(fig, out: str | Path) -> Path:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

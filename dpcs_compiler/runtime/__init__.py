@@ -1,9 +1,11 @@
-"""Between steps: signals, policies, plan variants, telemetry and rank agreement.
+"""Between steps: signals, policies, plan variants, telemetry and rank agreement; the El Che cadence of
+ranks of unequal speed (`cadence.py`).
 
     rt = dpcs_compiler.Runtime(model, telemetry="telemetry.jsonl")
     ...; optimizer.step(); rt.step(loss=loss, optimizer=optimizer, scaler=scaler)
 """
 
+from dpcs_compiler.runtime.cadence import Cadence, CadenceConfig, CadenceError
 from dpcs_compiler.runtime.compressed_optimizer import CompressedOptimizer, decompress_state_dict
 from dpcs_compiler.runtime.curvature import CurvatureProbe
 from dpcs_compiler.runtime.param_offload import ParameterOffload
@@ -21,6 +23,9 @@ from dpcs_compiler.runtime.telemetry import Telemetry, read_telemetry
 
 __all__ = [
     "PRECISION_MODES",
+    "Cadence",
+    "CadenceConfig",
+    "CadenceError",
     "CompressedOptimizer",
     "CurvatureProbe",
     "Decisions",

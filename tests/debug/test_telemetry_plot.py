@@ -55,4 +55,4 @@ def test_dpcs_plot_names_a_missing_or_empty_file(tmp_path, capsys):
     assert "no telemetry file at" in capsys.readouterr().err
     (tmp_path / "empty.jsonl").write_text(json.dumps({"step": 1, "kind": "other"}) + "\n")
     assert main(["plot", str(tmp_path / "empty.jsonl")]) == 2
-    assert "no signal reads or compile events" in capsys.readouterr().err
+    assert "no signal reads, compile events or cadence syncs" in capsys.readouterr().err
