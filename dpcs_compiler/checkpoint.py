@@ -85,6 +85,28 @@ class PendingSave:
 
 _PENDING: list[PendingSave] = []  # the asynchronous save under way, at most one
 _ASYNC_GROUP: list[Any] = []  # the gloo group DCP's background saves use (not the training's collectives')
+_PINNED_STAGER: list[Any] = []  # the stager of asynchronous saves of CUDA tensors, its pinned buffers reused
+
+
+def _on_cuda(tensors: Any) -> bool:
+    import torch.utils._pytree as pytree
+
+    return any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in pytree.tree_leaves(tensors))
+
+
+def _stager_for(tensors: Any) -> Any:
+    """How an asynchronous save copies the tensors out: from CUDA, into pinned host buffers with non-blocking
+    copies (the step stalls for the device-to-host copy only), the buffers kept for the next save (pinning
+    is slow; `save` commits the save under way before the next one stages, so no write still reads them);
+    host tensors: None, DCP's own copy."""
+    if not _on_cuda(tensors):
+        return None
+    if not _PINNED_STAGER:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        _PINNED_STAGER.append(DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
+                                                           use_async_staging=False, use_non_blocking_copy=True)))
+    return _PINNED_STAGER[0]
 
 
 def wait() -> Path | None:
@@ -182,7 +204,7 @@ def save(directory: str | os.PathLike, step: int, *, model: torch.nn.Module | No
     if asynchronous and tensors:
         with _single_process_quiet():
             response = dcp.async_save(tensors, checkpoint_id=str(partial), process_group=_async_group(),
-                                      no_dist=rank_agreement.world() is None)
+                                      no_dist=rank_agreement.world() is None, async_stager=_stager_for(tensors))
         future = getattr(response, "upload_completion", response)
         if (rank_agreement.world() or (0, 1))[0] == 0:  # the files hashed as soon as written, off this thread
             future.add_done_callback(lambda _: digest())

@@ -82,6 +82,31 @@ def test_the_runtime_comes_back_with_its_state(tmp_path):
         checkpoint.resume(tmp_path, runtime=Runtime(net()))
 
 
+def test_a_resumed_run_compiles_only_the_variant_it_was_running(tmp_path):
+    """Through a checkpoint, as a restarted job does: the runtime had switched to bf16; the resumed job's first
+    compile is that variant, and nothing else is compiled."""
+    model = net()
+    compiled = dpcs_compile(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    runtime = Runtime(model, signal_every=1)
+    runtime.force_precision("bf16")
+    train(compiled, optimizer, data(3), runtime)
+    assert [e.decisions for e in runtime.compile_events] == ["bf16"]  # the first compile is already bf16
+    checkpoint.save(tmp_path, 3, model=model, optimizer=optimizer, runtime=runtime)
+    runtime.close()
+
+    torch._dynamo.reset()  # a new process: nothing compiled yet
+    fresh = net()
+    fresh_compiled = dpcs_compile(fresh)
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    again = Runtime(fresh, signal_every=1)
+    assert checkpoint.resume(tmp_path, model=fresh, optimizer=fresh_optimizer, runtime=again) == 3
+    train(fresh_compiled, fresh_optimizer, data(2), again)
+    assert [e.decisions for e in again.compile_events] == ["bf16"]
+    assert [g.compiles for g in again.graphs] == [1] and again.decisions.precision == "bf16"
+    again.close()
+
+
 def test_the_newest_checkpoints_are_kept_and_a_first_run_finds_none(tmp_path):
     assert checkpoint.resume(tmp_path / "none") is None and checkpoint.latest(tmp_path) is None
     model = net()
@@ -226,3 +251,24 @@ def test_an_asynchronous_save_holds_the_state_of_its_step_while_training_goes_on
     checkpoint.save(tmp_path, 8, model=model)
     assert first.done() and first.result() == tmp_path / "step_000000007"
     assert checkpoint.latest(tmp_path) == tmp_path / "step_000000008"
+
+
+def test_asynchronous_saves_of_cuda_tensors_stage_through_one_pinned_stager(monkeypatch):
+    """The choice only (no GPU here, and DCP's stager refuses non-blocking copies without one): host tensors
+    take DCP's own copy; CUDA ones one pinned, non-blocking stager, kept from save to save."""
+    import torch.distributed.checkpoint.staging as staging
+
+    made = []
+
+    class Recorded:
+        def __init__(self, config):
+            made.append(config)
+
+    assert checkpoint._stager_for({"w": torch.zeros(2)}) is None
+    monkeypatch.setattr(staging, "DefaultStager", Recorded)
+    monkeypatch.setattr(checkpoint, "_PINNED_STAGER", [])
+    monkeypatch.setattr(checkpoint, "_on_cuda", lambda tensors: True)
+    stager = checkpoint._stager_for({"w": torch.zeros(2)})
+    assert isinstance(stager, Recorded) and checkpoint._stager_for({}) is stager and len(made) == 1
+    (options,) = made
+    assert options.use_pinned_memory and options.use_non_blocking_copy and not options.use_shared_memory
