@@ -393,7 +393,12 @@ class GraphDispatcher:
             raise
         finally:
             records = records_since(before)
-            self._note_compile(decisions, records, time.perf_counter() - start, error)
+            # Dynamo's RestartAnalysis is its control flow (it traces again and calls the backend anew), not a
+            # failed compile: no event, or telemetry and `dpcs plot` would report a failure that never was.
+            from torch._dynamo.exc import RestartAnalysis
+
+            if not isinstance(error, RestartAnalysis):
+                self._note_compile(decisions, records, time.perf_counter() - start, error)
         self.variants[key] = fn
         self.records[key] = records
         self.jobs[key] = [job_of(r.graph) for r in records]

@@ -4,7 +4,8 @@
 
 exact: rank 1 is declared twice as fast (speeds, report_timing=False): it runs 2 micro-batches per sync to
     rank 0's 1, of other sizes (equal ones when compiled). Three SGD steps of a DDP-wrapped float64 `Net`, then of the same `Net` wrapped in
-    DDP and compiled with dpcs; writes each step's gradients and the final parameters and buffer.
+    DDP and compiled with dpcs under a Runtime (the cadence writes to its telemetry); writes each step's
+    gradients and the final parameters and buffer.
 adapt: rank 1 sleeps 30 ms per micro-batch; the counts follow the measured times (telemetry written).
 hang: rank 1 stops after its first forward, before the sync, and waits 5 s; rank 0's sync has a 2 s timeout.
 """
@@ -25,14 +26,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
 from cadence_scenarios import LR, ROUNDS, SPEEDS, loss_of, make_net, micro_batch  # noqa: E402
 from rank_process import join, leave, report_crashes  # noqa: E402
+from dpcs_compiler import Runtime  # noqa: E402
 from dpcs_compiler.runtime.cadence import Cadence, CadenceError  # noqa: E402
 
 
-def train(rank: int, compiled: bool) -> dict:
+def train(rank: int, compiled: bool, telemetry: Path) -> dict:
     net = make_net()
     ddp = torch.nn.parallel.DistributedDataParallel(net)
     model = torch.compile(ddp, backend="dpcs", options={"compiler": "eager", "strict": True}) if compiled else ddp
-    cadence = Cadence(model, anchor=1, speeds=SPEEDS, report_timing=False)
+    # Compiled: under a dpcs Runtime too, the cadence's lines in the runtime's telemetry.
+    runtime = Runtime(ddp, policies=[], signal_every=1, telemetry=telemetry / f"runtime{rank}.jsonl",
+                      telemetry_every=1) if compiled else None
+    cadence = Cadence(model, anchor=1, speeds=SPEEDS, report_timing=False, telemetry=runtime)
     optimizer = torch.optim.SGD(net.parameters(), lr=LR)
     grads, counts = [], []
     for round_ in range(ROUNDS):
@@ -43,7 +48,11 @@ def train(rank: int, compiled: bool) -> dict:
             assert synced == (index == counts[-1][rank] - 1)
         grads.append([p.grad.detach().clone() for p in net.parameters()])
         optimizer.step()
+        if runtime is not None:
+            runtime.step()
         optimizer.zero_grad(set_to_none=True)
+    if runtime is not None:
+        runtime.close()
     state = cadence.state_dict()
     cadence.close()
     resumed = Cadence(model, anchor=1, speeds=SPEEDS, report_timing=False)
@@ -97,7 +106,7 @@ def main() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if scenario == "exact":
-            out = {"eager": train(rank, compiled=False), "compiled": train(rank, compiled=True)}
+            out = {"eager": train(rank, False, Path(telemetry)), "compiled": train(rank, True, Path(telemetry))}
         elif scenario == "adapt":
             out = adapt(rank, Path(telemetry))
         else:

@@ -29,8 +29,13 @@ def run_ranks(tmp_path: Path, scenario: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def exact(tmp_path_factory) -> list[dict]:
-    return run_ranks(tmp_path_factory.mktemp("cadence_exact"), "exact")
+def exact_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cadence_exact")
+
+
+@pytest.fixture(scope="module")
+def exact(exact_dir) -> list[dict]:
+    return run_ranks(exact_dir, "exact")
 
 
 def big_batch_steps(uneven: bool) -> tuple[list[list[torch.Tensor]], list[torch.Tensor], list[list[torch.Tensor]]]:
@@ -75,6 +80,18 @@ def test_weighted_sync_equals_one_big_batch_of_every_rank_s_samples(exact, varia
     # rank 1's buffer is rank 0's after each sync.
     assert zero["seen"] == one["seen"] == (2 if variant == "eager" else 3) * ROUNDS
     assert zero["state"]["steps"] == ROUNDS and zero["restored"] and one["restored"]
+
+
+def test_a_runtime_s_telemetry_carries_the_cadence_and_dpcs_plot_draws_both(exact, exact_dir, capsys):
+    entries = read_telemetry(exact_dir / "runtime0.jsonl")
+    kinds = [e["kind"] for e in entries]
+    assert kinds.count("cadence") == ROUNDS and kinds.count("signals") == ROUNDS and "compiles" in kinds
+    assert [e["counts"] for e in entries if e["kind"] == "cadence"] == [[1, 2]] * ROUNDS
+    # Dynamo restarts its analysis once here (a Python int added to a buffer): not a failed compile.
+    assert all(c["error"] is None for e in entries if e["kind"] == "compiles" for c in e["compiles"])
+    assert main(["plot", str(exact_dir / "runtime0.jsonl"), "-o", str(exact_dir / "both.png")]) == 0
+    printed = capsys.readouterr().out
+    assert f"{ROUNDS} signal reads" in printed and f"{ROUNDS} cadence syncs" in printed
 
 
 def test_counts_follow_measured_speeds_and_are_recorded(tmp_path, capsys):
