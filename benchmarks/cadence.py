@@ -14,7 +14,8 @@ is its wall time less the time its own micro-batches and optimizer steps take al
 computing, no collective, just before each run). Ratios are El Che / DDP per repetition (run back to back), then the
 median over the repetitions. The loss is the held-out loss
 of the model each strategy trained (median over repetitions), after the same number of optimizer steps (El
-Che has seen more samples when a rank is slow: the curves are also drawn against samples seen).
+Che has seen more samples when a rank is slow: the curves are also drawn against samples seen and against
+time, and El Che's training loss at the time DDP finished is reported beside DDP's).
 Writes cadence_<device>.json and .png under --out.
 """
 
@@ -196,6 +197,10 @@ def summarize(per_rank: list[dict], args: argparse.Namespace) -> dict:
                 "micro_batches_per_step_per_rank": [statistics.median(s["micro_batches"] / s["measured_steps"]
                                                                       for s in rank_runs) for rank_runs in runs],
                 "held_out_loss": statistics.median(s["held_out_loss"] for s in runs[0]),
+                "step_seconds_reps": [rank_runs_0["step_ends"] for rank_runs_0 in runs[0]],
+                "loss_curve_reps": [[sum(rank_runs[rep]["losses"][i] * rank_runs[rep]["step_samples"][i] for rank_runs in runs)
+                                     / sum(rank_runs[rep]["step_samples"][i] for rank_runs in runs) for i in range(args.steps)]
+                                    for rep in range(args.reps)],
                 "loss_curve": [statistics.fmean(v) for v in zip(*(
                     [sum(rank_runs[rep]["losses"][i] * rank_runs[rep]["step_samples"][i] for rank_runs in runs)
                      / sum(rank_runs[rep]["step_samples"][i] for rank_runs in runs) for i in range(args.steps)]
@@ -204,6 +209,17 @@ def summarize(per_rank: list[dict], args: argparse.Namespace) -> dict:
                                  for i in range(args.steps)],
                 "anchors": runs[0][0]["anchors"],
             }
+        # The loss each reached in the same wall time: El Che's training loss when DDP finished its steps
+        # (each the mean of the 3 steps up to then), the median over the repetitions.
+        at_time = {"ddp": [], "elche": []}
+        for rep in range(args.reps):
+            ddp_end = row["ddp"]["step_seconds_reps"][rep][-1]
+            for strategy in ("ddp", "elche"):
+                ends = row[strategy]["step_seconds_reps"][rep]
+                curve = row[strategy]["loss_curve_reps"][rep]
+                last = max([i for i, end in enumerate(ends) if end <= ddp_end * (1 + 1e-9)] or [0])
+                at_time[strategy].append(statistics.fmean(curve[max(0, last - 2):last + 1]))
+        row["training_loss_at_ddp_wall_time"] = {k: statistics.median(v) for k, v in at_time.items()}
         # Paired per repetition (the two ran back to back), then the median: machine drift cancels.
         ratios = [e / d for e, d in zip(row["elche"]["samples_per_second_reps"], row["ddp"]["samples_per_second_reps"])]
         row["throughput_ratio"] = statistics.median(ratios)
@@ -219,7 +235,7 @@ def plot(summary: dict, path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = summary["rows"]
-    fig, (ax_rate, ax_idle, ax_loss) = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, (ax_rate, ax_idle, ax_loss, ax_time) = plt.subplots(1, 4, figsize=(19, 4.2))
     labels = [f"{r['slowdown']:g}x" for r in rows]
     xs = range(len(rows))
     width = 0.38
@@ -249,6 +265,13 @@ def plot(summary: dict, path: Path, title: str) -> None:
     ax_loss.set_xlabel("samples seen")
     ax_loss.set_ylabel("training loss")
     ax_loss.legend(fontsize=7)
+    for row in rows:  # the first repetition, against the wall time
+        for strategy, style in (("ddp", "--"), ("elche", "-")):
+            ax_time.plot(row[strategy]["step_seconds_reps"][0], row[strategy]["loss_curve_reps"][0], style,
+                         label=f"{'DDP' if strategy == 'ddp' else 'El Che'} {row['slowdown']:g}x")
+    ax_time.set_xlabel("seconds (repetition 1)")
+    ax_time.set_ylabel("training loss")
+    ax_time.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -301,14 +324,15 @@ def main(argv: list[str] | None = None) -> int:
     plot(summary, args.out / f"cadence_{device}.png",
          f"El Che vs plain DDP, rank {SLOW_RANK} slowed; {meta['device']}, torch {meta['torch']}")
     print(f"{'slowdown':>8}  {'DDP samples/s':>14}  {'El Che samples/s':>16}  {'ratio':>6}  {'idle DDP (r0, r1)':>18}  "
-          f"{'idle El Che':>14}  {'mb/step El Che':>14}  {'held-out loss DDP / El Che':>26}")
+          f"{'idle El Che':>14}  {'mb/step El Che':>14}  {'held-out loss DDP / El Che':>26}  {'loss at DDP time':>17}")
     for row in summary["rows"]:
         ddp, elche = row["ddp"], row["elche"]
         print(f"{row['slowdown']:>7g}x  {ddp['samples_per_second']:>14.1f}  {elche['samples_per_second']:>16.1f}  "
               f"{row['throughput_ratio']:>5.2f}x  {', '.join(f'{100 * i:.0f}%' for i in ddp['idle_fraction_per_rank']):>18}  "
               f"{', '.join(f'{100 * i:.0f}%' for i in elche['idle_fraction_per_rank']):>14}  "
               f"{', '.join(f'{m:.1f}' for m in elche['micro_batches_per_step_per_rank']):>14}  "
-              f"{ddp['held_out_loss']:>12.3f} / {elche['held_out_loss']:.3f}")
+              f"{ddp['held_out_loss']:>12.3f} / {elche['held_out_loss']:.3f}  "
+              f"{row['training_loss_at_ddp_wall_time']['ddp']:>8.3f} / {row['training_loss_at_ddp_wall_time']['elche']:.3f}")
     print(f"wrote {result_path} and its .png")
     return 0
 

@@ -17,10 +17,11 @@ rank, so the gradient equals one big batch of all of them, whatever each rank ra
 
 After each sync every rank holds every rank's busy time and wait, and takes the same decision from them
 (`next_round`, a pure function): the slowest rank runs `anchor` micro-batches, the others as many as fit in
-the same time (capped at `anchor + max_batch_diff`); the anchor grows while the sync's overhead (the longest
-any rank waited in it: the all-reduce and the imbalance whole micro-batches leave, as a share of the round)
-is above `overhead_target` (up to `max_anchor`, the staleness limit) and shrinks back towards the anchor
-asked for when it is well under.
+the same time (capped at `anchor + max_batch_diff`); the anchor grows while the all-reduce's overhead (its
+share of the round) is above `overhead_target` (up to `max_anchor`, the staleness limit) and shrinks back
+towards the anchor asked for when it is well under. A larger anchor is a larger batch per optimizer step:
+fewer updates per second, so it grows only for the all-reduce, not for the imbalance whole micro-batches
+leave (measured: counting that too made the anchor climb on a jittery CPU and the loss fall slower in time).
 """
 
 from __future__ import annotations
@@ -110,14 +111,14 @@ class CadenceConfig:
 # ---- the decision: pure functions of what the ranks measured --------------------------------------------
 
 
-SYNC_WINDOW = 5  # syncs whose median wait the anchor tuning uses (one slow sync does not move it)
+SYNC_WINDOW = 5  # syncs whose median cost the anchor tuning uses (one slow sync does not move it)
 MIN_SYNCS = 3  # timed syncs before the anchor is tuned
 
 
 @dataclasses.dataclass(frozen=True)
 class Estimate:
     """The running estimates every rank holds alike: seconds per micro-batch of each rank (relative until
-    `measured`), and the longest wait of any rank in each of the last syncs (newest last)."""
+    `measured`), and what each of the last syncs cost beyond the slowest rank's work (newest last)."""
 
     seconds_per_batch: tuple[float, ...]
     waits: tuple[float, ...] = ()
@@ -162,9 +163,8 @@ class RoundDecision:
 def next_round(config: CadenceConfig, anchor: int, estimate: Estimate, ran: Sequence[int], busy: Sequence[float],
                waited: float | None) -> RoundDecision:
     """The next round's counts and anchor after a round in which rank i ran `ran[i]` micro-batches in `busy[i]`
-    seconds of its own work; `waited`: the longest any rank waited in the last timed sync (the all-reduce
-    itself, plus the imbalance whole micro-batches leave: both are what a sync costs per round, and both
-    shrink as a share of the round as the anchor grows).
+    seconds of its own work; `waited`: what the last timed sync cost, the least any rank waited in it (the
+    rank that finished its work last waited only for the all-reduce itself; the others also for it).
 
     Seconds per micro-batch are smoothed over rounds (`smoothing`), the first measured round replacing the
     relative speeds the job started from; the wait is the median of the last `SYNC_WINDOW`."""
@@ -456,7 +456,7 @@ class Cadence:
                           "sync_seconds": round(min(previous_waits), 6)})
         if self.config.report_timing and self._rounds > 1:
             decision = next_round(self.config, self.anchor, self.estimate, ran, busy_all,
-                                  max(previous_waits) if timed else None)
+                                  min(previous_waits) if timed else None)
             self.counts, self.anchor, self.estimate = decision.counts, decision.anchor, decision.estimate
             entry["reason"] = decision.reason
             if decision.overhead is not None:
