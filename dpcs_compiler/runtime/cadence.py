@@ -333,24 +333,36 @@ class Cadence:
 
     def _make_buckets(self) -> list[dict[str, Any]]:
         """Parameters in reverse order (autograd finishes the last layers first), cut after
-        `first_bucket_bytes`, then every `bucket_bytes`; one flat fp32 (fp64 with fp64 parameters) buffer each."""
+        `first_bucket_bytes`, then every `bucket_bytes`; one flat fp32 (fp64 with fp64 parameters) buffer each.
+
+        A parameter of the buffer's dtype has its gradient live in the buffer (a view, as DDP's
+        `gradient_as_bucket_view`): the micro-batches accumulate into it, the all-reduce and the division
+        work on it in place, and the buckets cost no second copy of the gradients. Others are copied in and
+        out at the sync."""
         dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.parameters) else torch.float32
-        buckets: list[dict[str, Any]] = []
+        groups: list[list[torch.nn.Parameter]] = []
         current: list[torch.nn.Parameter] = []
         size = 0
         for p in reversed(self.parameters):
             current.append(p)
             size += p.numel() * dtype.itemsize
-            if size >= (self.config.bucket_bytes if buckets else self.config.first_bucket_bytes):
-                buckets.append({"params": current})
+            if size >= (self.config.bucket_bytes if groups else self.config.first_bucket_bytes):
+                groups.append(current)
                 current, size = [], 0
         if current:
-            buckets.append({"params": current})
-        self._bucket_of = {}
-        for index, bucket in enumerate(buckets):
-            bucket["buffer"] = torch.zeros(sum(p.numel() for p in bucket["params"]), dtype=dtype, device=self.device)
-            for p in bucket["params"]:
+            groups.append(current)
+        self._bucket_of: dict[int, int] = {}
+        self._view_of: dict[int, torch.Tensor | None] = {}
+        buckets = []
+        for index, params in enumerate(groups):
+            buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=self.device)
+            views, offset = [], 0
+            for p in params:
+                views.append(buffer[offset:offset + p.numel()].view(p.shape))
+                offset += p.numel()
                 self._bucket_of[id(p)] = index
+                self._view_of[id(p)] = views[-1] if p.dtype == dtype else None
+            buckets.append({"params": params, "buffer": buffer, "views": views})
         return buckets
 
     def _arm(self) -> None:
@@ -361,6 +373,11 @@ class Cadence:
         self._next_launch = 0
 
     def _grad_ready(self, param: torch.Tensor) -> None:
+        view = self._view_of[id(param)]
+        if view is not None and param.grad is not None and param.grad.data_ptr() != view.data_ptr():
+            with torch.no_grad():  # a fresh gradient (the round's first, after zero_grad(set_to_none=True))
+                view.copy_(param.grad)
+            param.grad = view
         if not self._armed:
             return
         index = self._bucket_of[id(param)]
@@ -376,17 +393,13 @@ class Cadence:
             bucket = self._buckets[self._next_launch]
             if not every and bucket["ready"] < len(bucket["params"]):
                 return
-            offset = 0
-            buffer = bucket["buffer"]
             with torch.no_grad():
-                for p in bucket["params"]:
-                    view = buffer[offset:offset + p.numel()]
+                for p, view in zip(bucket["params"], bucket["views"]):
                     if p.grad is None:
                         view.zero_()
-                    else:
-                        view.copy_(p.grad.detach().reshape(-1))
-                    offset += p.numel()
-            bucket["work"] = dist.all_reduce(buffer, group=self.group, async_op=True)
+                    elif p.grad.data_ptr() != view.data_ptr():
+                        view.copy_(p.grad)
+            bucket["work"] = dist.all_reduce(bucket["buffer"], group=self.group, async_op=True)
             self._next_launch += 1
 
     # ---- the sync -----------------------------------------------------------------------------------------
@@ -428,14 +441,13 @@ class Cadence:
         with torch.no_grad():
             for bucket in self._buckets:
                 bucket["buffer"].div_(total)
-                offset = 0
-                for p in bucket["params"]:
-                    view = bucket["buffer"][offset:offset + p.numel()].view_as(p)
-                    if p.grad is None:
+                for p, view in zip(bucket["params"], bucket["views"]):
+                    if self._view_of[id(p)] is not None:
+                        p.grad = view  # every rank's parameter has a gradient now (zeros where none ran it)
+                    elif p.grad is None:
                         p.grad = view.to(p.dtype, copy=True)
                     else:
                         p.grad.copy_(view)
-                    offset += p.numel()
             if self.ddp is not None and self.ddp.broadcast_buffers:
                 buffers = [b for b in self.module.buffers()]
                 works = [dist.broadcast(b, src=dist.get_global_rank(self.group, 0) if self.group else 0,

@@ -39,7 +39,7 @@ def train(rank: int, compiled: bool, telemetry: Path) -> dict:
                       telemetry_every=1) if compiled else None
     cadence = Cadence(model, anchor=1, speeds=SPEEDS, report_timing=False, telemetry=runtime)
     optimizer = torch.optim.SGD(net.parameters(), lr=LR)
-    grads, counts = [], []
+    grads, counts, in_buckets = [], [], []
     for round_ in range(ROUNDS):
         counts.append(cadence.counts)
         for index in range(cadence.count):
@@ -47,6 +47,8 @@ def train(rank: int, compiled: bool, telemetry: Path) -> dict:
             synced = cadence.backward(loss_of(model(x), y), samples=x.shape[0])
             assert synced == (index == counts[-1][rank] - 1)
         grads.append([p.grad.detach().clone() for p in net.parameters()])
+        buffers = {b["buffer"].untyped_storage().data_ptr() for b in cadence._buckets}
+        in_buckets.append(all(p.grad.untyped_storage().data_ptr() in buffers for p in net.parameters()))
         optimizer.step()
         if runtime is not None:
             runtime.step()
@@ -60,7 +62,7 @@ def train(rank: int, compiled: bool, telemetry: Path) -> dict:
     restored = resumed.state_dict() == state
     resumed.close()
     return {"grads": grads, "counts": counts, "params": [p.detach().clone() for p in net.parameters()],
-            "seen": net.seen.item(), "state": state, "restored": restored}
+            "seen": net.seen.item(), "state": state, "restored": restored, "in_buckets": in_buckets}
 
 
 def adapt(rank: int, telemetry: Path) -> dict:

@@ -80,6 +80,8 @@ def test_weighted_sync_equals_one_big_batch_of_every_rank_s_samples(exact, varia
     # rank 1's buffer is rank 0's after each sync.
     assert zero["seen"] == one["seen"] == (2 if variant == "eager" else 3) * ROUNDS
     assert zero["state"]["steps"] == ROUNDS and zero["restored"] and one["restored"]
+    # The gradients live in the all-reduce buckets: no second copy of them.
+    assert zero["in_buckets"] == one["in_buckets"] == [True] * ROUNDS
 
 
 def test_a_runtime_s_telemetry_carries_the_cadence_and_dpcs_plot_draws_both(exact, exact_dir, capsys):
