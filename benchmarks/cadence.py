@@ -1,7 +1,7 @@
 """El Che cadence against plain DDP when one rank is slower: samples/s, idle time per rank and the loss, on a
 small GPT learning a Markov language, with 2 gloo ranks on the CPU.
 
-    python benchmarks/cadence.py [--reps 5] [--steps 30] [--warmup 6] [--slowdowns 1 2 4] [--out benchmarks/results]
+    python benchmarks/cadence.py [--reps 11] [--steps 30] [--warmup 6] [--slowdowns 1 2 4] [--out benchmarks/results]
 
 Rank 1 is made `s` times slower than rank 0 by a sleep of (s - 1) x the measured micro-batch time after each of
 its micro-batches (the same for both strategies). Per repetition, interleaved, for each slowdown: plain DDP
@@ -280,7 +280,7 @@ def plot(summary: dict, path: Path, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=11)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=6)
     parser.add_argument("--slowdowns", type=float, nargs="+", default=[1.0, 2.0, 4.0])
