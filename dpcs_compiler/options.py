@@ -28,6 +28,8 @@ FP8_MATMULS = ("auto", "scaled_mm", "emulated")
 FP8_GRAD_DTYPES = ("e5m2", "e4m3")
 DUMP_DIR_ENV = "DPCS_DUMP_DIR"
 HARDWARE_PROFILE_ENV = "DPCS_HARDWARE_PROFILE"
+OPTIONS_ENV = "DPCS_OPTIONS"
+CODE_SOURCE = "code"
 _BYTE_UNITS = {
     "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
@@ -187,6 +189,8 @@ class DpcsOptions:
         (`cost.step_model.StepContext`), from the step planner (`runtime/step.py`).
     size_hints: set by dpcs, not by users: for a graph with dynamic shapes, the sizes its plan is made for
         (pairs of shape symbol and size; empty: the traced sizes), one size bucket of `runtime/variants.py`.
+    option_sources: set by dpcs: where each option that was given came from ("code", "DPCS_OPTIONS (...)",
+        or an environment variable), as (name, source) pairs; options left out are the defaults.
     """
 
     compiler: str = "inductor"
@@ -203,6 +207,7 @@ class DpcsOptions:
     budget_scope: str = "step"
     step_context: StepContext | None = None
     size_hints: tuple[tuple[str, int], ...] = ()
+    option_sources: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.compiler not in COMPILERS:
@@ -279,24 +284,37 @@ class DpcsOptions:
 
     @classmethod
     def from_dict(cls, options: Mapping[str, Any] | None) -> DpcsOptions:
-        """Build options from the dict given to torch.compile; DPCS_DUMP_DIR fills an unset dump_dir and
-        DPCS_HARDWARE_PROFILE an unset hardware_profile."""
-        options = dict(options or {})
-        if not isinstance(options, dict):
+        """Build options from the dict given to torch.compile, over those of the DPCS_OPTIONS environment
+        variable (JSON, or a path to a JSON or TOML file): the code's win key by key. DPCS_DUMP_DIR fills an
+        unset dump_dir and DPCS_HARDWARE_PROFILE an unset hardware_profile. A bad key or value from the
+        environment is named with the variable it came from."""
+        if options is not None and not isinstance(options, Mapping):
             raise ValueError(f"dpcs options must be a dict, got {type(options).__name__}")
-        valid = [f.name for f in dataclasses.fields(cls)]
-        for key in options:
+        code = dict(options or {})
+        valid = [f.name for f in dataclasses.fields(cls) if f.name != "option_sources"]
+        for key in code:
             if key not in valid:
                 raise ValueError(f"unknown dpcs option {key!r}; valid options: {', '.join(map(repr, valid))}")
+        environment, env_source = environment_options(valid)
+        options = {**environment, **code}
+        sources = {key: env_source for key in environment} | {key: CODE_SOURCE for key in code}
         if options.get("dump_dir") is None and os.environ.get(DUMP_DIR_ENV):
             options["dump_dir"] = os.environ[DUMP_DIR_ENV]
+            sources["dump_dir"] = f"environment variable {DUMP_DIR_ENV}"
         if options.get("hardware_profile") is None and os.environ.get(HARDWARE_PROFILE_ENV):
             options["hardware_profile"] = parse_profile_spec(
                 os.environ[HARDWARE_PROFILE_ENV], source=f"environment variable {HARDWARE_PROFILE_ENV}"
             )
+            sources["hardware_profile"] = f"environment variable {HARDWARE_PROFILE_ENV}"
         elif options.get("hardware_profile", MEASURE) is None:
             options["hardware_profile"] = MEASURE
-        return cls(**options)
+        try:
+            return cls(**options, option_sources=tuple(sorted(sources.items())))
+        except ValueError as error:
+            named = [key for key in environment if key not in code and f"'{key}'" in str(error)]
+            if named:
+                raise ValueError(f"{error} (key {named[0]!r} of {env_source})") from None
+            raise
 
     def to_json(self) -> dict[str, Any]:
         def plain(value: Any) -> Any:
@@ -319,9 +337,52 @@ class DpcsOptions:
         scope do not: a step's context does; the hardware profile is in the plan as the profile itself,
         wherever it came from)."""
         relevant = {
-            k: v for k, v in self.to_json().items() if k not in ("dump_dir", "strict", "hardware_profile", "rank_agreement", "budget_scope")
+            k: v for k, v in self.to_json().items() if k not in ("dump_dir", "strict", "hardware_profile", "rank_agreement", "budget_scope", "option_sources")
         }
         for internal in ("step_context", "size_hints"):  # set by dpcs; left out unset, so older hashes stay
             if not relevant[internal]:
                 del relevant[internal]
         return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def environment_options(valid: list[str]) -> tuple[dict[str, Any], str]:
+    """The options of the DPCS_OPTIONS environment variable, and how to name where they came from: JSON
+    text (starting with "{"), or the path of a .json or .toml file. Empty: no options. An unreadable value
+    or an unknown key raises, naming the variable (and the file)."""
+    raw = os.environ.get(OPTIONS_ENV, "").strip()
+    if not raw:
+        return {}, OPTIONS_ENV
+    if raw.startswith("{"):
+        source = f"environment variable {OPTIONS_ENV}"
+        try:
+            loaded = json.loads(raw)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{source} is not valid JSON: {error}; valid choices: a JSON object of dpcs "
+                             f"options, or the path of a .json or .toml file of them") from None
+    else:
+        path = Path(raw).expanduser()
+        source = f"{OPTIONS_ENV} file {str(path)!r}"
+        if path.suffix not in (".json", ".toml"):
+            raise ValueError(f"environment variable {OPTIONS_ENV}={raw!r} is not valid; valid choices: a JSON "
+                             f"object of dpcs options, or the path of a .json or .toml file of them")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as error:
+            raise ValueError(f"{source} cannot be read: {error}") from None
+        try:
+            if path.suffix == ".json":
+                loaded = json.loads(text)
+            else:
+                import tomllib
+
+                loaded = tomllib.loads(text)
+        except ImportError:
+            raise ValueError(f"{source}: TOML needs Python 3.11 or later; use a .json file") from None
+        except ValueError as error:  # json.JSONDecodeError and tomllib.TOMLDecodeError are ValueErrors
+            raise ValueError(f"{source} does not parse: {error}") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{source} holds {type(loaded).__name__}; valid choices: an object (table) of dpcs options")
+    for key in loaded:
+        if key not in valid:
+            raise ValueError(f"unknown dpcs option {key!r} in {source}; valid options: {', '.join(map(repr, valid))}")
+    return loaded, source

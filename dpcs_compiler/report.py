@@ -25,6 +25,7 @@ class CompileRecord:
     total_flops: int = 0
     symbolic_shapes: bool = False
     pass_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    option_sources: dict[str, str] = dataclasses.field(default_factory=dict)  # option -> "code", "DPCS_OPTIONS ..."
     dump_dir: str | None = None
     fallback: str | None = None  # the error that made this graph fall back to plain Inductor
     # The memory plan (set only when a memory_budget is given):

@@ -26,6 +26,7 @@ TEST_HARDWARE_PROFILE = "reference-cpu"
 @pytest.fixture(autouse=True)
 def fresh_compile_state(monkeypatch):
     monkeypatch.setenv("DPCS_HARDWARE_PROFILE", TEST_HARDWARE_PROFILE)
+    monkeypatch.delenv("DPCS_OPTIONS", raising=False)  # a developer's own options change no test
     torch._dynamo.reset()
     clear_compile_records()
     torch.manual_seed(0)

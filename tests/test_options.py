@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dpcs_compiler.options import DUMP_DIR_ENV, HARDWARE_PROFILE_ENV, DpcsOptions
+from dpcs_compiler.options import DUMP_DIR_ENV, HARDWARE_PROFILE_ENV, OPTIONS_ENV, DpcsOptions
 
 
 def test_defaults():
@@ -162,3 +162,66 @@ def test_the_profile_is_not_in_the_options_fingerprint():
     ranks' plans differ when rank 0's profile is used on both."""
     fingerprints = {DpcsOptions.from_dict({"hardware_profile": p}).fingerprint() for p in ("measure", "h100", "l4")}
     assert len(fingerprints) == 1
+
+
+# ---- DPCS_OPTIONS: options without code ---------------------------------------------------------------------
+
+
+def test_dpcs_options_give_options_and_the_code_wins_key_by_key(monkeypatch):
+    monkeypatch.setenv(OPTIONS_ENV, '{"memory_budget": "6GiB", "precision": "bf16", "compiler": "eager"}')
+    options = DpcsOptions.from_dict({"precision": "fp16"})
+    assert (options.memory_budget, options.precision, options.compiler) == (6 * 2**30, "fp16", "eager")
+    sources = dict(options.option_sources)
+    assert sources["precision"] == "code"
+    assert sources["memory_budget"] == sources["compiler"] == f"environment variable {OPTIONS_ENV}"
+    assert "strict" not in sources  # a default is no source
+    assert options.fingerprint() == DpcsOptions.from_dict(
+        {"memory_budget": "6GiB", "precision": "fp16", "compiler": "eager"}).fingerprint()
+
+
+@pytest.mark.parametrize("suffix, text", [
+    (".json", '{"memory_budget": 1000000, "keep_fp32": ["lm_head"]}'),
+    (".toml", 'memory_budget = 1000000\nkeep_fp32 = ["lm_head"]\n'),
+])
+def test_dpcs_options_may_name_a_json_or_toml_file(monkeypatch, tmp_path, suffix, text):
+    path = tmp_path / f"dpcs{suffix}"
+    path.write_text(text)
+    monkeypatch.setenv(OPTIONS_ENV, str(path))
+    options = DpcsOptions.from_dict(None)
+    assert options.memory_budget == 1000000 and options.keep_fp32 == ("lm_head",)
+    assert dict(options.option_sources)["memory_budget"] == f"{OPTIONS_ENV} file {str(path)!r}"
+
+
+@pytest.mark.parametrize("value, message", [
+    ('{"precision": "fp9"}', r"'precision'='fp9' is not valid.*\(key 'precision' of environment variable DPCS_OPTIONS\)"),
+    ('{"budjet": 5}', r"unknown dpcs option 'budjet' in environment variable DPCS_OPTIONS; valid options: 'compiler'"),
+    ('{"memory_budget": ', r"environment variable DPCS_OPTIONS is not valid JSON"),
+    ("[1, 2]", r"DPCS_OPTIONS='\[1, 2\]' is not valid; valid choices: a JSON object"),
+    ("/nowhere/dpcs.toml", r"DPCS_OPTIONS file '/nowhere/dpcs.toml' cannot be read"),
+])
+def test_a_bad_dpcs_options_names_the_variable_and_the_key(monkeypatch, value, message):
+    monkeypatch.setenv(OPTIONS_ENV, value)
+    with pytest.raises(ValueError, match=message):
+        DpcsOptions.from_dict({"compiler": "eager"})
+
+
+def test_a_bad_value_the_code_overrides_is_no_error(monkeypatch):
+    monkeypatch.setenv(OPTIONS_ENV, '{"precision": "fp9"}')
+    assert DpcsOptions.from_dict({"precision": "bf16"}).precision == "bf16"
+
+
+def test_compile_records_and_the_dump_say_where_each_option_came_from(monkeypatch, tmp_path):
+    import json
+
+    from dpcs_compiler import compile_records
+    from dpcs_testing import dpcs_compile
+
+    monkeypatch.setenv(OPTIONS_ENV, '{"memory_budget": "64MiB", "dump_dir": "%s"}' % (tmp_path / "dump"))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    dpcs_compile(model)(torch.randn(4, 8)).sum().backward()
+    (record,) = compile_records()
+    assert record.option_sources["memory_budget"] == record.option_sources["dump_dir"] == "environment variable DPCS_OPTIONS"
+    assert record.option_sources["compiler"] == record.option_sources["strict"] == "code"
+    assert record.option_sources["hardware_profile"] == "environment variable DPCS_HARDWARE_PROFILE"
+    (summary,) = (tmp_path / "dump").rglob("summary.json")
+    assert json.loads(summary.read_text())["option_sources"] == record.option_sources

@@ -130,7 +130,7 @@ class GraphJob:
     @classmethod
     def start(cls, gm: fx.GraphModule, example_inputs: Sequence[Any], options: DpcsOptions) -> GraphJob:
         name = f"graph_{next(_graph_ids):03d}"
-        record = CompileRecord(graph=name, compiler=options.compiler)
+        record = CompileRecord(graph=name, compiler=options.compiler, option_sources=dict(options.option_sources))
         context = torch._guards.CompileContext.try_get()
         if context is not None and context.compile_id is not None:
             record.compile_id = f"{context.compile_id.frame_id}/{context.compile_id.frame_compile_id}"
