@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import json
 import logging
 import warnings
 import weakref
@@ -307,13 +308,20 @@ class GraphJob:
         return graph, self.plan.decisions
 
     def finish(self) -> None:
-        """Write the plan and the summary (again after each stage, so a lazy backward updates them)."""
+        """Write the plan and the summary (again after each stage, so a lazy backward updates them), and
+        emit both through torch's structured trace (TORCH_TRACE: `tlparse` shows them beside Dynamo's and
+        Inductor's artifacts of the same compile; nothing is built without a trace)."""
         self.record.plan_hash = self.plan.plan_hash()
         if self.dumper is not None:
             from dpcs_compiler.debug.dump import write_summary
 
             self.dumper.write_json("plan.json", self.plan.to_json())
             write_summary(self.record)
+        for name, payload in (("dpcs_plan", self.plan.to_json), ("dpcs_compile_record", self.record.to_json)):
+            torch._logging.trace_structured(
+                "artifact", metadata_fn=lambda name=name: {"name": name, "encoding": "json"},
+                payload_fn=lambda payload=payload: json.dumps(payload(), default=str), expect_trace_id=False,
+            )
 
 
 def has_symbolic_shapes(gm: fx.GraphModule) -> bool:
