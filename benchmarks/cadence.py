@@ -188,6 +188,10 @@ def summarize(per_rank: list[dict], args: argparse.Namespace) -> dict:
                          for i in range(args.warmup, args.steps)]
                 throughputs.append(statistics.median(rates))
                 overall.append(sum(s["samples"] for s in segments) / max(s["wall"] for s in segments))
+            # Per repetition, each step's loss over both ranks' samples (weighted by them).
+            curves = [[sum(rank_runs[rep]["losses"][i] * rank_runs[rep]["step_samples"][i] for rank_runs in runs)
+                       / sum(rank_runs[rep]["step_samples"][i] for rank_runs in runs) for i in range(args.steps)]
+                      for rep in range(args.reps)]
             row[strategy] = {
                 "samples_per_second": statistics.median(throughputs),
                 "samples_per_second_reps": throughputs,
@@ -197,14 +201,9 @@ def summarize(per_rank: list[dict], args: argparse.Namespace) -> dict:
                 "micro_batches_per_step_per_rank": [statistics.median(s["micro_batches"] / s["measured_steps"]
                                                                       for s in rank_runs) for rank_runs in runs],
                 "held_out_loss": statistics.median(s["held_out_loss"] for s in runs[0]),
-                "step_seconds_reps": [rank_runs_0["step_ends"] for rank_runs_0 in runs[0]],
-                "loss_curve_reps": [[sum(rank_runs[rep]["losses"][i] * rank_runs[rep]["step_samples"][i] for rank_runs in runs)
-                                     / sum(rank_runs[rep]["step_samples"][i] for rank_runs in runs) for i in range(args.steps)]
-                                    for rep in range(args.reps)],
-                "loss_curve": [statistics.fmean(v) for v in zip(*(
-                    [sum(rank_runs[rep]["losses"][i] * rank_runs[rep]["step_samples"][i] for rank_runs in runs)
-                     / sum(rank_runs[rep]["step_samples"][i] for rank_runs in runs) for i in range(args.steps)]
-                    for rep in range(args.reps)))],
+                "step_seconds_reps": [segment["step_ends"] for segment in runs[0]],
+                "loss_curve_reps": curves,
+                "loss_curve": [statistics.fmean(losses) for losses in zip(*curves)],
                 "samples_seen": [sum(sum(rank_runs[0]["step_samples"][:i + 1]) for rank_runs in runs)
                                  for i in range(args.steps)],
                 "anchors": runs[0][0]["anchors"],

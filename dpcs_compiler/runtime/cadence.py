@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from dpcs_compiler import rank_agreement
+from dpcs_compiler.runtime.policies import config_from
 
 STATE_VERSION = 1
 LOSS_REDUCTIONS = ("mean", "sum")
@@ -223,17 +223,7 @@ class Cadence:
 
     def __init__(self, model: torch.nn.Module, *, telemetry: Any = None, group: Any = None,
                  config: CadenceConfig | None = None, **config_fields: Any) -> None:
-        if config is not None and config_fields:
-            raise ValueError(f"Cadence takes a config or its fields, not both (got config and {sorted(config_fields)})")
-        if config is None:
-            known = {f.name for f in dataclasses.fields(CadenceConfig)}
-            unknown = sorted(set(config_fields) - known)
-            if unknown:
-                raise ValueError(f"Cadence got unknown options {unknown}; valid choices: {sorted(known)}")
-            if "speeds" in config_fields and config_fields["speeds"] is not None:
-                config_fields["speeds"] = tuple(config_fields["speeds"])
-            config = CadenceConfig(**config_fields)
-        self.config = config
+        self.config = config = config_from(CadenceConfig, config, config_fields, "Cadence")
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
@@ -260,7 +250,7 @@ class Cadence:
         self.done = 0  # micro-batches of this round done on this rank
         self.last: dict[str, Any] | None = None  # the last sync's telemetry entry
         self._samples = 0
-        self._waited = [0.0] * self.world  # each rank's wait in the last sync, sent with the next
+        self._waited = 0.0  # this rank's wait in the last sync, sent with the next
         self._round_start = time.perf_counter()
         self._telemetry = self._telemetry_of(telemetry)
         self._buckets = self._make_buckets()
@@ -426,7 +416,7 @@ class Cadence:
         report = torch.zeros(1 + 2 * self.world, dtype=torch.float64)
         report[0] = self._samples
         report[1 + self.rank] = busy
-        report[1 + self.world + self.rank] = self._waited[self.rank]
+        report[1 + self.world + self.rank] = self._waited
         if self.device.type == "cuda" and dist.get_backend(self.group) == "nccl":
             report = report.to(self.device)
         waiting = time.perf_counter()
@@ -473,8 +463,7 @@ class Cadence:
             entry["reason"] = decision.reason
             if decision.overhead is not None:
                 entry["overhead"] = round(decision.overhead, 4)
-        self._waited = [0.0] * self.world
-        self._waited[self.rank] = waited
+        self._waited = waited
         entry.update({"counts": list(self.counts), "anchor": self.anchor})
         self.last = entry
         if self._telemetry is not None:

@@ -90,7 +90,13 @@ def config_from(config_type: type, config: Any, fields: dict[str, Any], owner: s
         raise ValueError(f"{owner} takes config= or its fields as keywords, not both")
     if config is not None and not isinstance(config, config_type):
         raise ValueError(f"{owner} config={config!r} is not valid; valid choices: a {config_type.__name__}")
-    return config if config is not None else config_type(**fields)
+    if config is not None:
+        return config
+    valid = [f.name for f in dataclasses.fields(config_type)]
+    unknown = sorted(set(fields) - set(valid))
+    if unknown:
+        raise ValueError(f"{owner} got unknown options {unknown}; valid choices: {', '.join(map(repr, valid))}")
+    return config_type(**fields)
 
 
 class Policy:

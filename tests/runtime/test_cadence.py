@@ -118,3 +118,8 @@ def test_cadence_needs_a_job_of_two_or_more_ranks(tmp_path):
             Cadence(model)
     finally:
         dist.destroy_process_group()
+
+
+def test_an_unknown_option_is_named_with_the_valid_ones():
+    with pytest.raises(ValueError, match=r"Cadence got unknown options \['anchr'\]; valid choices: 'anchor', "):
+        Cadence(torch.nn.Linear(2, 2), anchr=2)
