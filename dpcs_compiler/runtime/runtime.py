@@ -359,6 +359,7 @@ class Runtime:
             "seen": sorted(self.seen),
             "compile_steps": list(self.compile_steps),
             "signals": self.collector.state_dict(),
+            "launched_at": self._launched_at,  # a read launched, taken at a later step (accelerators)
             "curvature": None if self.curvature is None else self.curvature.state_dict(),
         }
 
@@ -379,6 +380,7 @@ class Runtime:
         self.seen = set(state["seen"])
         self.compile_steps = list(state["compile_steps"])
         self.collector.load_state_dict(state["signals"])
+        self._launched_at = state.get("launched_at")
         if self.curvature is not None and state.get("curvature") is not None:
             self.curvature.load_state_dict(state["curvature"])
         decisions = state["decisions"]

@@ -311,9 +311,38 @@ class SignalCollector:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        return {"grad": self.grad.state(), "loss": self.loss.state(), "previous_scale": self.previous_scale}
+        """The running statistics and every step not read yet: the rows of the open interval and a launched
+        read not taken (copied to the host here, a sync: a checkpoint's cost, not a step's). A run resumed
+        between two reads loses none of its steps' signals."""
+        unread = {"values": self.ring[: len(self.rows)].tolist(), "rows": [dict(r) for r in self.rows]}
+        pending = None
+        if self._pending is not None:
+            host, event, rows, headroom, peak = self._pending
+            if event is not None:
+                event.synchronize()
+            pending = {"values": host.tolist(), "rows": [dict(r) for r in rows], "headroom": headroom, "peak": peak}
+        return {"grad": self.grad.state(), "loss": self.loss.state(), "previous_scale": self.previous_scale,
+                "unread": unread, "pending": pending}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.grad.load(state["grad"])
         self.loss.load(state["loss"])
         self.previous_scale = state["previous_scale"]
+        unread = state.get("unread") or {"values": [], "rows": []}
+        values = self._rows_of(unread["values"], "unread")
+        if len(values) > self.every:
+            raise ValueError(f"saved signals hold {len(values)} unread steps; this runtime reads every {self.every} "
+                             "steps: resume with signal_every >= the saved run's")
+        self.ring[: len(values)].copy_(values)
+        self.rows = [dict(r) for r in unread["rows"]]
+        pending = state.get("pending")
+        self._pending = None if pending is None else (
+            self._rows_of(pending["values"], "pending"), None, [dict(r) for r in pending["rows"]], pending["headroom"],
+            pending["peak"])
+
+    def _rows_of(self, values: list[list[float]], what: str) -> torch.Tensor:
+        rows = torch.tensor(values, dtype=torch.float32).reshape(-1, self.norms + 3)
+        if values and len(values[0]) != self.norms + 3:
+            raise ValueError(f"saved {what} signals have {len(values[0]) - 3} gradient norms per step; this model has "
+                             f"{self.norms} parameters: the state belongs to another model")
+        return rows  # on the host: the pending read's copy is there, the ring's copy_ moves the rest

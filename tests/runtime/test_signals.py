@@ -92,3 +92,42 @@ def test_ranks_combine_any_overflow_mean_statistics_and_the_least_headroom():
     signals = c.snapshot_from(combined, 10)
     assert signals.overflow_regions == ("b",) and signals.headroom == 0.4 and signals.peak_bytes == 300
     assert (signals.scaler_backoffs, signals.scale) == (1, 512.0)
+
+
+def test_a_state_saved_between_reads_keeps_the_unread_steps_and_a_launched_read():
+    """A checkpoint between two reads (rows written, or a read launched and not yet taken, as on an
+    accelerator) restores them: the resumed collector reads what the uninterrupted one reads."""
+    import json
+
+    def steps(c, params, losses, first=1):
+        for i, loss in enumerate(losses, first):
+            for p in params:
+                p.grad = torch.full((4,), float(i))
+            c.collect(loss=torch.tensor(loss), scaler=None)
+
+    whole, params = collector(every=4)
+    steps(whole, params, [3.0, float("inf"), 2.0])
+    expected = whole.snapshot_from((whole.launch_read(), whole.take_read())[1], 3)
+
+    half, params = collector(every=4)
+    steps(half, params, [3.0, float("inf")])
+    resumed, params = collector(every=4)
+    resumed.load_state_dict(json.loads(json.dumps(half.state_dict())))
+    steps(resumed, params, [2.0], first=3)
+    got = resumed.snapshot_from((resumed.launch_read(), resumed.take_read())[1], 3)
+    assert got.steps == 3 and got.overflow and got.loss == 2.0
+    assert (got.grad_norm, got.loss_z, resumed.loss.state()) == (expected.grad_norm, expected.loss_z, whole.loss.state())
+
+    launched, params = collector(every=4)
+    steps(launched, params, [3.0, float("inf"), 2.0])
+    launched.launch_read()
+    resumed, _ = collector(every=4)
+    resumed.load_state_dict(json.loads(json.dumps(launched.state_dict())))
+    got = resumed.snapshot_from(resumed.take_read(), 3)
+    assert (got.steps, got.overflow, got.loss, got.grad_norm) == (3, True, 2.0, expected.grad_norm)
+
+    with pytest.raises(ValueError, match="signal_every"):
+        collector(every=2)[0].load_state_dict(half.state_dict() | {"unread": {"values": [[0.0] * 6] * 3, "rows": []}})
+    other = SignalCollector({}, [torch.nn.Parameter(torch.zeros(1))], every=4)
+    with pytest.raises(ValueError, match="another model"):
+        other.load_state_dict(half.state_dict())
