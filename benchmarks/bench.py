@@ -56,6 +56,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script from a checkout without the package installed
     sys.path.insert(0, str(REPO))
 
+from dpcs_compiler.debug import progress  # noqa: E402
 from dpcs_compiler.measure import measure_peak_memory, resident_bytes  # noqa: E402
 from dpcs_compiler.models import BENCH_MODELS, apply_activation_checkpointing, bench_workload  # noqa: E402
 from dpcs_compiler.report import compile_records, records_since, step_records  # noqa: E402
@@ -343,19 +344,25 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device, log: Ca
     base = LossModule(w.model, w.loss_fn).to(device)
     inputs = tuple(x.to(device) for x in w.inputs)
     strategies = upstream_strategies(args.strategies, args.amb, args.compiler)
-    for s in strategies:
-        log(f"[{name}] {s.name}: compiling / warming up")
-        prepare_with_retry(s, base, inputs, device=device, warmup=args.warmup, sgd=args.sgd, log=log)
-    if "dpcs" in args.strategies:
-        for budget, source in dpcs_budgets(strategies, args.dpcs_below):
-            s = dpcs_strategy(budget, source, args.compiler, strict=not args.dpcs_fallback)
-            if any(t.name == s.name for t in strategies):
-                continue
-            log(f"[{name}] {s.name} ({source}): compiling / warming up")
+    with progress.task(f"[{name}] strategies") as model_progress:  # its total: known once dpcs's budgets are
+        for s in strategies:
+            log(f"[{name}] {s.name}: compiling / warming up")
+            model_progress.detail(f"{s.name}: compiling / warming up")
             prepare_with_retry(s, base, inputs, device=device, warmup=args.warmup, sgd=args.sgd, log=log)
-            strategies.append(s)
-    log(f"[{name}] timing {sum(s.ok for s in strategies)} strategies interleaved, {args.steps} steps each")
-    time_interleaved(strategies, steps=args.steps, warmup=args.warmup, device=device)
+            model_progress.advance()
+        if "dpcs" in args.strategies:
+            for budget, source in dpcs_budgets(strategies, args.dpcs_below):
+                s = dpcs_strategy(budget, source, args.compiler, strict=not args.dpcs_fallback)
+                if any(t.name == s.name for t in strategies):
+                    continue
+                log(f"[{name}] {s.name} ({source}): compiling / warming up")
+                model_progress.detail(f"{s.name}: compiling / warming up")
+                prepare_with_retry(s, base, inputs, device=device, warmup=args.warmup, sgd=args.sgd, log=log)
+                strategies.append(s)
+                model_progress.advance()
+        log(f"[{name}] timing {sum(s.ok for s in strategies)} strategies interleaved, {args.steps} steps each")
+        model_progress.detail(f"timing {sum(s.ok for s in strategies)} strategies interleaved")
+        time_interleaved(strategies, steps=args.steps, warmup=args.warmup, device=device)
     for s in strategies:
         s.module = s.step = None  # free the copies
     results = {s.name: s.result for s in strategies}
@@ -656,9 +663,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if device.type == "cpu" and load is not None and load > (os.cpu_count() or 1):
         log(f"warning: the 1-minute load average is {load:.1f} on {os.cpu_count()} CPUs: "
             "other processes compete for the CPU and step times will be noisy")
-    with compile_afresh():
+    with compile_afresh(), progress.task("dpcs bench", total=len(args.models)) as bench_progress:
         for model in args.models:
+            bench_progress.detail(model)
             payload["models"][model] = run_model(model, args, device, log)
+            bench_progress.advance()
     torch._dynamo.reset()
     payload["load_average_after"] = _load_average()
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch.fx as fx
 from torch._dynamo.exc import RestartAnalysis, ShortenTraceback, SkipFrame
 
+from dpcs_compiler.debug import progress
 from dpcs_compiler.debug.dump import write_summary
 from dpcs_compiler.options import DpcsOptions
 from dpcs_compiler.pipeline import compile_graph
@@ -55,7 +56,8 @@ def compile_with_fallback(gm: fx.GraphModule, example_inputs: Sequence[Any], opt
     try:
         # Inductor takes ownership of the graph it compiles and mutates it: dpcs gets a copy, so the
         # fallback compiles the graph exactly as Dynamo made it.
-        return compile_graph(fx.GraphModule(gm, copy.deepcopy(gm.graph)), example_inputs, opts)
+        with progress.task("dpcs: compiling a graph"):
+            return compile_graph(fx.GraphModule(gm, copy.deepcopy(gm.graph)), example_inputs, opts)
     except (RestartAnalysis, SkipFrame, ShortenTraceback, BudgetInfeasibleError, RankDisagreementError):
         # Dynamo's own control flow, or an answer for the user (no plan fits the budget; the ranks compiled
         # different plans, on every rank alike): not a failure to hide behind a fallback

@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dpcs_compiler.cost.profiles import BUILTIN_PROFILES
+from dpcs_compiler.debug import progress
 from dpcs_compiler.debug.dump import SUMMARY_FILE
 from dpcs_compiler.debug.render import format_bytes
 from dpcs_compiler.debug.summary import (
@@ -221,7 +222,9 @@ def _dump_command(args: argparse.Namespace, parser: argparse.ArgumentParser, out
     root = args.out.resolve()
     earlier = set(graph_folders(root))
     log.info("running %s with %s=%s", shlex.join([str(script), *script_args]), DUMP_DIR_ENV, root)
-    status = run_script(script, script_args, dump_dir=root)
+    with progress.task(f"dpcs dump {script}") as dump_progress:
+        dump_progress.detail("running the script")
+        status = run_script(script, script_args, dump_dir=root)
 
     summaries = [s for s in load_summaries(root) if Path(s["folder"]) not in earlier]
     ending = f"; {script} exited with status {status}" if status else ""

@@ -60,7 +60,7 @@ from dpcs_compiler.cost.step_model import (
 from dpcs_compiler.debug.render import format_bytes
 from dpcs_compiler.measure import BEFORE_PROFILING, CpuMemoryProfile, optimizer_state_bytes
 from dpcs_compiler.report import _ON_CLEAR, STEPS_FILE, StepRecord, add_step_record
-from dpcs_compiler.cost.memory_model import plan_seconds
+from dpcs_compiler.cost.memory_model import MemoryProblem, plan_seconds
 from dpcs_compiler.cost.model_state import (
     StateLever,
     StateRates,
@@ -75,6 +75,7 @@ from dpcs_compiler.cost.model_state import (
 from dpcs_compiler.runtime.compressed_optimizer import INSTANCES, CompressedOptimizer, measured_state_rates
 from dpcs_compiler.runtime.param_offload import INSTANCES as OFFLOADS
 from dpcs_compiler.runtime.param_offload import ParameterOffload
+from dpcs_compiler.debug import progress
 from dpcs_compiler.solve import solved_decisions
 from dpcs_compiler.solve.model_state import StepWithState, choose_state_lever
 from dpcs_compiler.stages.job import BudgetInfeasibleError, describe_budget
@@ -83,6 +84,12 @@ if TYPE_CHECKING:
     from dpcs_compiler.runtime.variants import GraphDispatcher
 
 log = logging.getLogger("dpcs.step")
+
+
+def _solve(problem: MemoryProblem, target: int) -> tuple[tuple[str, ...], bool]:
+    """`solved_decisions`, naming each solve in the progress shown (a step's planning solves tens of times)."""
+    progress.detail(f"{len(problem.candidates)} candidates within {format_bytes(target)}")
+    return solved_decisions(problem, target)
 
 FSDP_BLOCKS_IN_FLIGHT = 3  # FSDP2 backward: blocks' worth of gathers and reduce-scatters beside the one running
 STABLE_STEPS = 2
@@ -608,6 +615,10 @@ class StepRecorder:
     def plan(self) -> StepRecord | None:
         """Plan the step shapes seen with the latest one (those sharing a graph with it, at its sizes) for one
         budget, and switch the graphs whose plans change."""
+        with progress.task("dpcs: planning the step"):
+            return self._plan()
+
+    def _plan(self) -> StepRecord | None:
         self.to_plan = False
         candidates: list[tuple[tuple, StepShape, list[GraphDispatcher]]] = []
         for key, (shape, refs) in list(self.shapes.items()):
@@ -1172,7 +1183,7 @@ def _plan_with_model_state(
     auto = [o for o in optimizers if isinstance(o, CompressedOptimizer) and o.auto]
     if not optimizers and not candidates:
         counted = [with_offloaded(s, now) for s in shapes]
-        return counted, plan_step(counted, graphs, current, solved_decisions, settled), None
+        return counted, plan_step(counted, graphs, current, _solve, settled), None
     rates = None
     if auto or (candidates and link_bytes_per_second is not None):
         device = next((o.device() for o in optimizers if isinstance(o, CompressedOptimizer)), torch.device("cpu"))
@@ -1218,7 +1229,7 @@ def _plan_with_model_state(
                               - estimated_step_transient(table, regime_now, decoded))
             counted.append(dataclasses.replace(s, outside_bytes=s.outside_bytes + state_of[option],
                                                optimizer_bytes=optimizer))
-        plan = plan_step(counted, graphs, current, solved_decisions, settled, find_lowest)
+        plan = plan_step(counted, graphs, current, _solve, settled, find_lowest)
         plans[option] = (counted, plan)
         seconds = sum(plan_seconds(graphs[k].problem, plan.decisions[k]) for k in counted[plan.peak.shape].instances)
         return StepWithState(plan.feasible, seconds, plan.peak.bytes)

@@ -19,6 +19,7 @@ import torch.fx as fx
 
 from dpcs_compiler import rank_agreement
 from dpcs_compiler.cost.budget import WORKSPACE_FRACTION, planning_target
+from dpcs_compiler.debug.progress import PassProgress
 from dpcs_compiler.cost.hardware import ResolvedProfile
 from dpcs_compiler.cost.memory_model import MemoryProblem, plan_memory
 from dpcs_compiler.cost.profiles import resolve_profile
@@ -137,7 +138,7 @@ class GraphJob:
             record.compile_id = f"{context.compile_id.frame_id}/{context.compile_id.frame_compile_id}"
             record.attempt = context.attempt
         record.dynamo_nodes = len(gm.graph.nodes)
-        instruments: list[Any] = [PassTimer(record.pass_seconds)]
+        instruments: list[Any] = [PassTimer(record.pass_seconds), PassProgress(name)]
         dumper = None
         if options.dump_dir is not None:
             from dpcs_compiler.debug.dump import GraphDumper, new_graph_folder
