@@ -135,7 +135,8 @@ def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     while id(model) not in seen:
         seen.add(id(model))
         inner = getattr(model, "module", None) if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
-        inner = inner or getattr(model, "_orig_mod", None)
+        if inner is None:
+            inner = getattr(model, "_orig_mod", None)
         if not isinstance(inner, torch.nn.Module):
             break
         model = inner

@@ -423,7 +423,9 @@ class Cadence:
         report_work = dist.all_reduce(report, group=self.group, async_op=True)
         for bucket in self._buckets:
             self._wait(bucket["work"], "the gradient all-reduce")
+            bucket["work"] = None  # a finished Work kept to the interpreter's end can abort it (gloo's threads)
         self._wait(report_work, "the sample-count all-reduce")
+        del report_work
         report = report.cpu().tolist()
         waited = time.perf_counter() - waiting
         total = report[0]
