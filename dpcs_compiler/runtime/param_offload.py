@@ -24,13 +24,15 @@ The hooks run outside compiled code (`torch.compiler.disable`): compile each blo
 loop over blocks then runs eagerly around one graph per block, as with FSDP2. Dynamo does not guard on module
 hooks by default: installing turns those guards on for the process (`skip_nnmodule_hook_guards = False`) and
 resets Dynamo's caches, as code compiled without the hooks would read the emptied parameters. `state_dict()` of the model gives the host copies; `load_state_dict()`
-writes them.
+writes them. Between steps read (or write) the parameters themselves only inside `with offload.gathered():`:
+outside it their storage is empty, and torch does not check such reads (on CPU, a segfault).
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -171,6 +173,27 @@ class ParameterOffload:
     def host_param(self, param: torch.Tensor) -> torch.Tensor:
         """The host master copy of an offloaded parameter, its `.grad` the host gradient (after `settle`)."""
         return self.host[id(param)]
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Every offloaded parameter back on the device for the body, to read or write between steps (a weight
+        EMA, an eager evaluation, a manual edit); written back to the host copies at the end, and let go.
+
+        Outside a module's run an offloaded parameter's storage is empty, and torch does not check reads of it:
+        `p.clone()` there reads freed memory (on CPU a segfault, not an error). Read through this, through
+        `state_dict()`, or through `host_param(p)`."""
+        params = [p for key, p in self._param.items() if key not in self._kept and key not in self._resident]
+        for param in params:
+            self._fetch(param)
+        self._wait(params)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for param in params:
+                    self.host[id(param)].copy_(param.detach())
+            for param in params:
+                self._release(param)
 
     def settle(self) -> None:
         """Finish moving gradients out (CUDA) and hang each host gradient on its host parameter."""

@@ -227,3 +227,24 @@ def test_use_names_only_its_own_modules():
     with pytest.raises(ValueError, match="use\\(\\) names 1 modules this ParameterOffload was not given"):
         offload.use([net.blocks[1]])
     offload.close()
+
+
+def test_gathered_parameters_can_be_read_and_written_between_steps():
+    """Between steps an offloaded parameter's storage is empty; `gathered()` brings every one back for reads and
+    writes (an EMA of the weights), keeps what was written, and lets them go again."""
+    net = stack()
+    twin = copy.deepcopy(net)
+    offload, optimizer = offloaded(net)
+    plain = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    train(net, optimizer, 2)
+    train(twin, plain, 2)
+    block = net.blocks[1].linear.weight
+    assert block.untyped_storage().nbytes() == 0
+    with offload.gathered():
+        for mine, theirs in zip(net.parameters(), twin.parameters()):
+            torch.testing.assert_close(mine.detach().clone(), theirs.detach(), rtol=0, atol=0)
+        with torch.no_grad():
+            block.mul_(0.5)
+    assert block.untyped_storage().nbytes() == 0
+    torch.testing.assert_close(offload.host_param(block), 0.5 * twin.blocks[1].linear.weight.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(net.state_dict()["blocks.1.linear.weight"], offload.host_param(block), rtol=0, atol=0)
