@@ -28,10 +28,12 @@ import os
 import warnings
 import weakref
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from dpcs_compiler.checkpoint import _write_synced
 from dpcs_compiler.options import DpcsOptions
 from dpcs_compiler.runtime.policies import Policy, config_from
 from dpcs_compiler.runtime.runtime import Runtime, RuntimeConfig
@@ -129,20 +131,6 @@ def compile_model(
     return model
 
 
-def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
-    """The model behind accelerate's, DDP's and torch.compile's wrappers."""
-    seen = set()
-    while id(model) not in seen:
-        seen.add(id(model))
-        inner = getattr(model, "module", None) if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
-        if inner is None:
-            inner = getattr(model, "_orig_mod", None)
-        if not isinstance(inner, torch.nn.Module):
-            break
-        model = inner
-    return model
-
-
 class DpcsCallback(TrainerCallback):
     """Runs a dpcs `Runtime` under `Trainer`: one `Runtime.step` per optimizer step.
 
@@ -204,7 +192,9 @@ class DpcsCallback(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, model: torch.nn.Module | None = None, **kwargs: Any) -> None:
         if model is None:
             raise ValueError("DpcsCallback: the Trainer passed no model to on_train_begin")
-        model = _unwrapped(model)
+        from accelerate.utils import extract_model_from_parallel
+
+        model = extract_model_from_parallel(model, keep_torch_compile=False)  # behind DDP's, FSDP's, compile's
         self._tap = _TAPS.get(model)
         if self._tap is None:
             log.warning("DpcsCallback: %s was not compiled with dpcs_compiler.integrations.hf.compile_model; the "
@@ -235,10 +225,8 @@ class DpcsCallback(TrainerCallback):
         if not os.path.isdir(folder):
             raise FileNotFoundError(f"DpcsCallback: the Trainer's checkpoint folder {folder} does not exist")
         path = os.path.join(folder, RUNTIME_STATE_FILE)
-        partial = path + ".partial"
-        with open(partial, "w", encoding="utf-8") as out:
-            json.dump(self.runtime.state_dict(), out)
-        os.replace(partial, path)
+        _write_synced(Path(path + ".partial"), json.dumps(self.runtime.state_dict()))  # as dpcs's checkpoints
+        os.replace(path + ".partial", path)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.runtime is not None and self._owned:

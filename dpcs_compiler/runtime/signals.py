@@ -341,8 +341,8 @@ class SignalCollector:
             pending["peak"])
 
     def _rows_of(self, values: list[list[float]], what: str) -> torch.Tensor:
-        rows = torch.tensor(values, dtype=torch.float32).reshape(-1, self.norms + 3)
         if values and len(values[0]) != self.norms + 3:
             raise ValueError(f"saved {what} signals have {len(values[0]) - 3} gradient norms per step; this model has "
                              f"{self.norms} parameters: the state belongs to another model")
-        return rows  # on the host: the pending read's copy is there, the ring's copy_ moves the rest
+        # On the host: the pending read's copy is there; the ring's copy_ moves the rest.
+        return torch.tensor(values, dtype=torch.float32).reshape(-1, self.norms + 3)

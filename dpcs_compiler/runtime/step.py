@@ -91,6 +91,7 @@ def _solve(problem: MemoryProblem, target: int) -> tuple[tuple[str, ...], bool]:
     progress.detail(f"{len(problem.candidates)} candidates within {format_bytes(target)}")
     return solved_decisions(problem, target)
 
+
 FSDP_BLOCKS_IN_FLIGHT = 3  # FSDP2 backward: blocks' worth of gathers and reduce-scatters beside the one running
 STABLE_STEPS = 2
 # A measured planned step more than this above its prediction is planned again with the excess counted.
