@@ -319,46 +319,92 @@ class LlamaLM(nn.Module):
         return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
 
 
+class HFGPT2LM(nn.Module):
+    """`transformers.GPT2LMHeadModel` built from a config with random weights (nothing is downloaded), trained
+    with its own loss (`labels=`): Dynamo breaks its graph at the loss function, so a step is two graphs.
+
+    forward(ids) returns the model's next-token loss. Needs the `transformers` package.
+    """
+
+    def __init__(self, layers: int = 4, d_model: int = 256, heads: int = 4, vocab: int = 2048, seq: int = 128) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(n_layer=layers, n_embd=d_model, n_head=heads, vocab_size=vocab, n_positions=seq,
+                            bos_token_id=vocab - 1, eos_token_id=vocab - 1, loss_type="ForCausalLM",
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,  # deterministic, like the others
+                            attn_implementation="sdpa", use_cache=False)
+        self.lm = GPT2LMHeadModel(config)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=ids, labels=ids, use_cache=False).loss
+
+
 def checkpoint_blocks(model: nn.Module) -> list[nn.Module]:
     """The blocks that full activation checkpointing per block wraps: transformer layers, residual blocks."""
     if isinstance(model, LlamaLM):
         return list(model.lm.model.layers)
+    if isinstance(model, HFGPT2LM):
+        return list(model.lm.transformer.h)
     if isinstance(model, (MiniGPT, BlockMLP, ResConvNet)):
         return list(model.blocks)
     if isinstance(model, BranchingNet):
         return [*model.first, *model.middle, *model.last]
     raise ValueError(
         f"no checkpoint blocks known for {type(model).__name__}; valid: MiniGPT, BlockMLP, ResConvNet, LlamaLM, "
-        "BranchingNet"
+        "BranchingNet, HFGPT2LM"
     )
 
 
-def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
+def apply_activation_checkpointing(model: nn.Module, *, selective: bool = False) -> nn.Module:
     """Wrap each block's forward in `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`, in place.
 
-    Each block then saves only its inputs for backward and recomputes its forward during backward. Apply it
-    to the model that will run (a deepcopy made afterwards still calls the original's blocks).
+    Each block then saves only its inputs for backward and recomputes its forward during backward. With
+    `selective`, torch's selective activation checkpointing instead: a policy (`sac_policy`) saves the
+    outputs of matmuls and attention, and everything else in the block is recomputed. Apply it to the model
+    that will run (a deepcopy made afterwards still calls the original's blocks).
     """
-    from torch.utils.checkpoint import checkpoint
+    import functools
 
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    context_fn = functools.partial(create_selective_checkpoint_contexts, sac_policy) if selective else None
     for block in checkpoint_blocks(model):
         if getattr(block, "_dpcs_checkpointed", False):
             continue
 
         def checkpointed(*args, _forward=block.forward, **kwargs):
-            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+            if context_fn is None:
+                return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+            return checkpoint(_forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
         block.forward = checkpointed
         block._dpcs_checkpointed = True
     return model
 
 
-BENCH_MODELS = ("mlp", "gpt", "llama", "convnet", "breaks")
+# Selective activation checkpointing's usual policy (torchtitan's): keep what is costly to make again.
+SAC_SAVED_OPS = (
+    "mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention", "convolution",
+)
+
+
+def sac_policy(ctx, op, *args, **kwargs):
+    """Save the outputs of matmuls, attention and convolutions; recompute everything else."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    name = getattr(getattr(op, "_overloadpacket", op), "__name__", str(op))
+    return CheckpointPolicy.MUST_SAVE if name in SAC_SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+BENCH_MODELS = ("mlp", "gpt", "llama", "convnet", "breaks", "hf_gpt2", "gpt_long")
 
 
 def bench_workload(name: str, *, quick: bool = False, seed: int = 0) -> Workload:
     """The `dpcs bench` workloads: "mlp", "gpt" (4 layers), "llama" (transformers, random init), "convnet",
-    "breaks" (`BranchingNet`: two graph breaks, three graphs per step).
+    "breaks" (`BranchingNet`: two graph breaks, three graphs per step), "hf_gpt2" (`HFGPT2LM`, transformers,
+    two graphs per step), "gpt_long" (the 4-layer GPT at sequence length 1024).
 
     Full sizes take ~50-300 ms per eager fp32 training step on a 2-core CPU, with peaks of tens to a few
     hundred MiB; `quick` sizes are tiny (tests). Every model's output is turned into a loss by `loss_fn`.
@@ -385,6 +431,17 @@ def bench_workload(name: str, *, quick: bool = False, seed: int = 0) -> Workload
         channels, layers, batch, hw = (8, 2, 4, 16) if quick else (32, 4, 32, 32)
         x = torch.randn(batch, 3, hw, hw, generator=generator)
         return Workload(name, ResConvNet(channels, layers), (x,), _mean_square)
+    if name == "hf_gpt2":
+        layers, d, heads, vocab, seq, batch = (2, 32, 2, 128, 32, 2) if quick else (4, 256, 4, 2048, 128, 8)
+        ids = torch.randint(0, vocab, (batch, seq), generator=generator)
+        return Workload(name, HFGPT2LM(layers, d, heads, vocab, seq), (ids,), _identity)
+    if name == "gpt_long":
+        cfg = GPTConfig(vocab=128, block_size=128, d_model=32, heads=2, layers=2) if quick else GPTConfig(
+            vocab=512, block_size=1024, d_model=256, heads=4, layers=4
+        )
+        batch = 2
+        idx = torch.randint(0, cfg.vocab, (batch, cfg.block_size), generator=generator)
+        return Workload(name, MiniGPT(cfg), (idx, torch.roll(idx, -1, dims=1)), _identity)
     if name == "breaks":
         d, blocks, rows = (32, 1, 64) if quick else (256, 2, 2048)
         x = torch.randn(rows, d, generator=generator)

@@ -185,6 +185,12 @@ class DpcsOptions:
         a memory budget every rank can hold, and the ranks compare plan hashes once per compiled training
         graph (an error names what differs). False for jobs whose ranks compile different graphs
         (pipeline stages): each rank then plans alone.
+    keep_torch_plan: with a memory_budget, compile torch's own partition (min-cut) when it fits the budget,
+        so a budget nothing presses costs nothing (`stages/partition.py`); False: dpcs plans every graph
+        (at such a budget, its plan that saves every value the backward reads).
+    calibrate: with a memory_budget, time the graph's own ops once (its joint graph run op by op on made-up
+        inputs of its shapes) and plan with the roofline fitted to them: compute and memory scales and the
+        per-op cost (`stages/calibrate.py`); False: the hardware profile's roofline.
     step_context: set by dpcs, not by users: what the other graphs of the step hold around this one
         (`cost.step_model.StepContext`), from the step planner (`runtime/step.py`).
     size_hints: set by dpcs, not by users: for a graph with dynamic shapes, the sizes its plan is made for
@@ -205,6 +211,8 @@ class DpcsOptions:
     hardware_profile: ProfileSpec = MEASURE
     rank_agreement: bool = True
     budget_scope: str = "step"
+    keep_torch_plan: bool = True
+    calibrate: bool = False
     step_context: StepContext | None = None
     size_hints: tuple[tuple[str, int], ...] = ()
     option_sources: tuple[tuple[str, str], ...] = ()
@@ -257,6 +265,12 @@ class DpcsOptions:
         if self.detect_overflow not in (None, True, False):
             raise ValueError(
                 f"dpcs option 'detect_overflow'={self.detect_overflow!r} is not valid; valid choices: None, True, False"
+            )
+        if not isinstance(self.calibrate, bool):
+            raise ValueError(f"dpcs option 'calibrate'={self.calibrate!r} is not valid; valid choices: True, False")
+        if not isinstance(self.keep_torch_plan, bool):
+            raise ValueError(
+                f"dpcs option 'keep_torch_plan'={self.keep_torch_plan!r} is not valid; valid choices: True, False"
             )
         if not isinstance(self.rank_agreement, bool):
             raise ValueError(
@@ -342,6 +356,10 @@ class DpcsOptions:
         for internal in ("step_context", "size_hints"):  # set by dpcs; left out unset, so older hashes stay
             if not relevant[internal]:
                 del relevant[internal]
+        if relevant["keep_torch_plan"]:  # the defaults, left out so older hashes stay
+            del relevant["keep_torch_plan"]
+        if not relevant["calibrate"]:
+            del relevant["calibrate"]
         return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -31,7 +31,9 @@ import torch.fx as fx
 from dpcs_compiler.options import DpcsOptions
 from dpcs_compiler.passes.analysis.tensor_bytes import size_hints
 from dpcs_compiler.stages.compile_parts import PartCompiler, aot_compile
-from dpcs_compiler.stages.job import GraphJob, ScheduleOverBudget
+from torch._inductor.exc import InductorError
+
+from dpcs_compiler.stages.job import BudgetInfeasibleError, GraphJob, ScheduleOverBudget
 from dpcs_compiler.stages.partition import JointPartitioner
 from dpcs_compiler.stages.precision import PRE_AUTOGRAD_REWRITES, plan_precision_stage
 
@@ -59,12 +61,26 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: D
             compiled = aot_compile(gm, example_inputs, partitioner, part_compiler, options)
             job.check_ranks_agree()
             return compiled
+        except InductorError as error:
+            # Raised from inside Inductor's scheduler (`ScheduledPeakProbe.check`): dpcs's own answer.
+            inner = error.inner_exception
+            if not isinstance(inner, ScheduleOverBudget):
+                if isinstance(inner, BudgetInfeasibleError):
+                    raise inner from None
+                raise
+            _count_replan(job, inner)
         except ScheduleOverBudget as over:
-            # The compiled graphs of the plan hold more than the model counted: plan again with that much
-            # less room in each phase (never less than measured before: no oscillation).
-            job.record.replans += 1
-            for kind, excess in over.excess.items():
-                job.schedule_excess[kind] = max(job.schedule_excess[kind], excess)
-            log.info("%s: re-planning, the compiled graphs hold more than planned: %s", job.record.graph, over.excess)
+            _count_replan(job, over)
         finally:
             job.replanning = False
+
+
+def _count_replan(job: GraphJob, over: ScheduleOverBudget) -> None:
+    """The compiled graphs of the plan hold more than the model counted: plan again with that much less room
+    in each phase (never less than measured before: no oscillation)."""
+    job.record.replans += 1
+    if job.plan.torch_plan:  # torch's partition, tried, went over: dpcs plans from now on
+        job.torch_plan_refused = True
+    for kind, excess in over.excess.items():
+        job.schedule_excess[kind] = max(job.schedule_excess[kind], excess)
+    log.info("%s: re-planning, the compiled graphs hold more than planned: %s", job.record.graph, over.excess)

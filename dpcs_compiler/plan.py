@@ -1,8 +1,9 @@
 """The Plan: every decision dpcs made for one graph, serialisable to JSON, with a stable hash.
 
 Rewrites read their decisions from the plan only. Without a memory budget the partition is torch's
-min-cut and the plan records its outcome (which forward values are saved for backward); with one, the
-memory planner writes a SAVE / RECOMPUTE / OFFLOAD decision for every candidate, the budget in bytes and
+min-cut and the plan records its outcome (which forward values are saved for backward); with one, torch's
+min-cut is kept if it fits the budget (`torch_plan`: no cost where there is no pressure), else the memory
+planner writes a SAVE / RECOMPUTE / OFFLOAD decision for every candidate, the budget in bytes and
 the hardware profile it was costed with. `compile_key` hashes the inputs the plan is derived from
 (options, including the budget as given; partitioner; dpcs's own source) and is the partitioner's uuid in
 Inductor's cache keys, so a graph compiled for one budget option is never handed back for another. It
@@ -77,6 +78,9 @@ class Plan:
     predicted_peak_bytes: int | None = None
     feasible: bool | None = None
     peak_node: str | None = None  # where the plan's predicted peak is
+    # With a budget: torch's own min-cut partition was kept, as it fits the budget (`values` then map its
+    # saved set onto the candidates, for the step planner); no dpcs decision was needed.
+    torch_plan: bool = False
     # Precision (pre-autograd): the graph's low-precision dtype, per-op decisions, fp8 linears, and
     # whether the backward raises the overflow flag on non-finite gradients (`ops/overflow.py`).
     precision: str = "fp32"
@@ -114,6 +118,7 @@ class Plan:
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "feasible": self.feasible,
             "peak_node": self.peak_node,
+            "torch_plan": self.torch_plan,
             "values": [dataclasses.asdict(v) for v in self.values],
             "precision": self.precision,
             "precision_ops": [dataclasses.asdict(d) for d in self.precision_ops],

@@ -52,6 +52,9 @@ class CompileRecord:
     step_context: dict[str, Any] | None = None
     variant_of: str | None = None  # a runtime / step variant: the graph first compiled from the same Dynamo graph
     fusions_refused: int = 0  # Inductor horizontal fusions refused across allocations (passes/rewrite/fusion_guard)
+    # Option `calibrate`: the roofline fit to this graph's own ops the plan was costed with (compute_scale,
+    # memory_scale, overhead_s, samples, seconds); None: the hardware profile's roofline (`stages/calibrate.py`).
+    calibration: dict[str, Any] | None = None
     # Precision (solve/precision.py): the graph's low dtype, ops given a dtype, linears run in fp8.
     precision: str = "fp32"
     cast_ops: int = 0

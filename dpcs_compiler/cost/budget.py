@@ -23,6 +23,19 @@ def planning_target(budget_bytes: int) -> int:
     return budget_bytes - int(budget_bytes * WORKSPACE_FRACTION)
 
 
+# Bytes the planner counts at every step for what the runtime allocates around a compiled step (autograd's
+# scalars; measured 16 B on CPU): `passes.analysis.planning.RUNTIME_ALLOWANCE_BYTES` is this value.
+RUNTIME_ALLOWANCE_BYTES = 256
+
+
+def torch_plan_limit(budget_bytes: int) -> int:
+    """What torch's own partition is held to when dpcs keeps it (no pressure): the budget, its predicted peak
+    counted without the planner's allowances. The workspace and runtime allowances are margins for plans dpcs
+    makes; torch's plan measured without a budget already includes its kernels' workspace and the runtime's
+    bytes, so a budget at that measured peak must get that plan."""
+    return budget_bytes + RUNTIME_ALLOWANCE_BYTES
+
+
 @dataclasses.dataclass(frozen=True)
 class DeviceMemory:
     total_bytes: int

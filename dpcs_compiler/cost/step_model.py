@@ -424,13 +424,14 @@ class StepPlan:
 
     feasible: every graph has a plan within its target in its context; level: the shared fraction of each
     graph's boundary range (None: the graphs' own plans already fit the step, no context needed); decisions
-    and levels: each graph's plan in its context (as its compile will re-make it); peak: the step's peak.
+    and levels: each graph's plan in its context (as its compile will re-make it); peak: the step's peak (None,
+    with no decisions or levels, for a level a graph fits no plan at: `_LevelSearch.attempt` stops there).
     """
 
     contexts: dict[str, StepContext | None]
     decisions: dict[str, tuple[str, ...]]
     levels: dict[str, GraphLevels]
-    peak: StepPeak
+    peak: StepPeak | None
     feasible: bool
     level: float | None
     solves: int
@@ -451,6 +452,7 @@ def plan_step(
     solver: Solver,
     settled: bool = True,
     find_lowest: bool = True,
+    final: Solver | None = None,
 ) -> StepPlan:
     """Contexts under which every graph of the step has a plan and the step's peak fits, in every step shape
     seen (a data-dependent branch can make steps of different graphs).
@@ -461,6 +463,9 @@ def plan_step(
     alive around it is that graph's own plan. Otherwise the highest shared
     level with a plan is searched (`_LevelSearch`); if no level has one, the result is infeasible, with the
     plans of the smallest step peak found (by bisection on the target).
+
+    `final`: the solver each graph's compile will use, when the search used a cheaper one (`solve.fits`): the
+    plan found is solved again with it in each graph's context, so its levels and peak are what compiles.
     """
     missing = {k for shape in shapes for k in shape.instances if k not in graphs}
     if missing or not shapes:
@@ -475,7 +480,7 @@ def plan_step(
     search = _LevelSearch(shapes, graphs, solver)
     found = search.at(target)
     if found is not None:
-        return dataclasses.replace(found, solves=search.solves)
+        return _as_compiled(dataclasses.replace(found, solves=search.solves), shapes, graphs, final, target)
     if not find_lowest:  # only whether it fits (`find_lowest` False): the bisection below is the costly part
         return StepPlan(dict.fromkeys(graphs), dict(current), levels, peak, False, None, search.solves)
     # No plan fits: the smallest step peak reachable, by bisection on the target between the budget and the
@@ -497,7 +502,24 @@ def plan_step(
         return StepPlan(dict.fromkeys(graphs), dict(current), levels, peak, False, None, search.solves)
     # Each graph is compiled for the target that plan was found at (its compile re-makes the same plan).
     contexts = {k: dataclasses.replace(c, target=found_at) for k, c in lowest.contexts.items()}
-    return dataclasses.replace(lowest, contexts=contexts, feasible=False, solves=search.solves)
+    lowest = _as_compiled(dataclasses.replace(lowest, contexts=contexts, solves=search.solves), shapes, graphs, final,
+                          found_at)
+    return dataclasses.replace(lowest, feasible=False)
+
+
+def _as_compiled(plan: StepPlan, shapes: Sequence[StepShape], graphs: Mapping[str, GraphStep],
+                 final: Solver | None, target: int) -> StepPlan:
+    """`plan` with each graph's decisions solved again by `final` in its context (as its compile will)."""
+    if final is None:
+        return plan
+    decisions, feasible = {}, True
+    for k, g in graphs.items():
+        decisions[k], ok = final(in_step(g.problem, plan.contexts[k], target), target)
+        feasible = feasible and ok
+    levels = {k: GraphLevels.of(graphs[k].problem, decisions[k]) for k in graphs}
+    peak = step_peak(shapes, graphs, levels)
+    return dataclasses.replace(plan, decisions=decisions, levels=levels, peak=peak,
+                               feasible=feasible and peak.bytes <= target)
 
 
 class _LevelSearch:
@@ -524,7 +546,8 @@ class _LevelSearch:
         decisions, feasible = {}, True
         for k, g in graphs.items():
             decisions[k], ok = self.solved(g, contexts[k], target)
-            feasible = feasible and ok
+            if not ok:  # a graph that fits no plan at this level: the level is out, the others need no solve
+                return StepPlan(dict(contexts), {}, {}, None, False, level, self.solves)
         lv = {k: GraphLevels.of(graphs[k].problem, decisions[k]) for k in graphs}
         peak = step_peak(self.shapes, graphs, lv)
         return StepPlan(dict(contexts), decisions, lv, peak, feasible and peak.bytes <= target, level, self.solves)

@@ -209,6 +209,9 @@ class GraphDispatcher:
         # decisions, and whether the step recorder is watching its calls.
         self.step_contexts: dict[tuple[int, ...], StepContext] = {}  # by size bucket
         self.provisional: set[tuple[int, ...]] = set()  # buckets whose context was set before the step was known
+        # Buckets whose step the step planner has planned: until then a first plan that holds least (the graph
+        # ends at a graph break) runs uncompiled (`_variant`).
+        self.step_planned: set[tuple[int, ...]] = set()
         self.step_context_for: Decisions | None = None
         # Dynamic shapes: the shape symbols of the inputs, their traced sizes and the size bucket of the
         # current call; each bucket is its own variant, planned for the bucket's sizes (`size_bucket`).
@@ -310,6 +313,13 @@ class GraphDispatcher:
         self.step_context_for = self.control.decisions
         self._version = -1
 
+    def step_was_planned(self) -> None:
+        """The step planner planned this graph's step at its current sizes: a first plan that ran uncompiled is
+        compiled by the final compiler from its next call on (under whatever context it has now)."""
+        if self.bucket not in self.step_planned:
+            self.step_planned.add(self.bucket)
+            self._version = -1
+
     def current_job(self) -> Any | None:
         """The job that compiled the current variant's training graph (None: gone, or fell back)."""
         return next((j for j in self.jobs.get(self.current_key, ()) if j is not None and j.problem is not None), None)
@@ -370,6 +380,12 @@ class GraphDispatcher:
             # Planned inside its step: what the step planner found feasible is compiled without an error
             # in the middle of training (the planner raised already if no step plan fits).
             options = dataclasses.replace(options, step_context=self.step_context, on_infeasible="best")
+            if self.step_context.hold_least and options.compiler == "inductor" and self.bucket not in self.step_planned:
+                # A first plan that holds least, made before the step's other graphs are known, lasts until the
+                # step planner plans the step (at the next step's first call). It runs the same partitioned
+                # graphs uncompiled (compiler="eager", its memory planned for that), so Inductor compiles this
+                # graph once, for the plan that stays, instead of twice (issue 18: compile time).
+                options = dataclasses.replace(options, compiler="eager")
         key = options.fingerprint()
         if key in self.variants:
             self.current_key = key

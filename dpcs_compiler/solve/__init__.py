@@ -43,7 +43,18 @@ def solved_decisions(problem: MemoryProblem, budget_bytes: int) -> tuple[tuple[s
     return solution.decisions, solution.feasible
 
 
+def fits(problem: MemoryProblem, budget_bytes: int) -> tuple[tuple[str, ...], bool]:
+    """Whether a plan within `budget_bytes` exists, as searches over many budgets ask it (the step planner's
+    levels, the first step's least-held cap): the fast solver, without its search for the lowest peak when
+    nothing fits. (decisions, feasible); the decisions of an infeasible answer are only the best found."""
+    if not problem.candidates:
+        solution = measured_solution(problem, (), budget_bytes, "none", 0.0)
+    else:
+        solution = solve_fast(problem, budget_bytes, lowest_when_over=False)
+    return solution.decisions, solution.feasible
+
+
 __all__ = [
-    "AUTO_EXACT_SECONDS", "EXACT_MAX_CANDIDATES", "METHODS", "Solution", "solve", "solve_exact", "solve_fast",
+    "AUTO_EXACT_SECONDS", "EXACT_MAX_CANDIDATES", "METHODS", "Solution", "fits", "solve", "solve_exact", "solve_fast",
     "solve_or_measure", "solved_decisions",
 ]

@@ -605,9 +605,11 @@ def _better(a: tuple[int, float], b: tuple[int, float], budget: int) -> bool:
     return a[1] < b[1] if a_fits else a < b
 
 
-def solve_fast(problem: MemoryProblem, budget_bytes: int) -> Solution:
+def solve_fast(problem: MemoryProblem, budget_bytes: int, *, lowest_when_over: bool = True) -> Solution:
     """A fast plan whose peak fits `budget_bytes`, or, if the heuristics cannot fit it, the lowest peak they
-    reach (feasible=False)."""
+    reach (feasible=False). `lowest_when_over=False`: a caller that only asks whether the budget can be met
+    (the step planner's level search) gets the best plan found when it cannot, without the search for the
+    lowest peak (the costly part of an infeasible solve)."""
     started = time.perf_counter()
     budget = int(budget_bytes)
     tl = Timeline(problem)
@@ -638,6 +640,9 @@ def solve_fast(problem: MemoryProblem, budget_bytes: int) -> Solution:
     ]
     consider(out_of_memory)
     _price_search(tl, budget, consider, best[0][1] if best[0][0] <= budget else math.inf)
+    if best[0][0] > budget and not lowest_when_over:
+        tl.reset(best[1])
+        return measured_solution(problem, tl.decisions(), budget, "fast", time.perf_counter() - started)
     if best[0][0] > budget:
         # Nothing fitted: push for the lowest peak, whatever the budget (it may turn out to fit after all).
         floor = int(tl.base.max())  # no plan goes below the base bytes

@@ -89,14 +89,21 @@ class PartCompiler:
         # over, which can hold memory across the peak the plan was made for (measured: +8% on a 2-layer GPT
         # with two recomputed MLP inputs). In-place reuse of dying inputs stays on; on CUDA the caching
         # allocator reuses freed memory anyway.
-        with torch._inductor.config.patch(allow_buffer_reuse=False), contextlib.ExitStack() as stack:
+        # Torch's own partition (kept: it fits) is compiled as plain Inductor compiles it, its schedule read.
+        torchs = self.job.plan.torch_plan
+        with torch._inductor.config.patch(allow_buffer_reuse=torchs and torch._inductor.config.allow_buffer_reuse), \
+                contextlib.ExitStack() as stack:
             probe = None
-            guard = stack.enter_context(planned_fusion_choices())
+            guard = stack.enter_context(contextlib.nullcontext(None) if torchs else planned_fusion_choices())
             if kind in self.job.graph_inputs and probe_available():
                 resident, present = self.job.graph_inputs[kind]
-                probe = stack.enter_context(probe_scheduled_peak(resident=resident, present=present))
+                # Checked as soon as Inductor has fused it: a plan over the budget is re-made before any code
+                # is generated for it.
+                probe = stack.enter_context(probe_scheduled_peak(
+                    resident=resident, present=present, check=lambda peak: self.check_schedule(kind, peak)
+                ))
             compiled = compile_fx_inner(gm, example_inputs, *args, **kwargs)
-        self.job.record.fusions_refused += guard.refused
+        self.job.record.fusions_refused += guard.refused if guard is not None else 0
         if probe is None:
             # The partitioned graphs were held to the budget instead (`JointPartitioner`).
             warnings.warn(
@@ -111,7 +118,9 @@ class PartCompiler:
             warnings.warn(f"{message} ({probe.errors[0]}): holding the partitioned graphs to the budget", stacklevel=2)
             self.job.hold_to_budget(dict(self.job.partition_excess), "its partitioned graphs")
         elif probe.peaks:
-            self.check_schedule(kind, max(probe.peaks, key=lambda p: p.kernels))  # the graph itself, not a subgraph
+            graph = max(probe.peaks, key=lambda p: p.kernels)  # the graph itself, not a subgraph
+            if graph is not probe.checked:
+                self.check_schedule(kind, graph)
         else:  # Inductor scheduled nothing (no kernels): the partitioned graph is what runs
             self.job.hold_to_budget(dict(self.job.partition_excess), "its partitioned graphs")
         return compiled
@@ -136,7 +145,10 @@ class PartCompiler:
             excess += job.carried_excess
         setattr(job.record, f"{kind}_schedule_excess_bytes", excess)
         job.measured_excess[kind] = excess
-        counted = {k: job.measured_excess.get(k, job.schedule_excess[k]) for k in ("forward", "backward")}
+        # A phase not compiled yet counts what the planner assumed for it: for torch's own partition, what its
+        # partitioned graphs hold beyond the model of its decisions (its prediction, `memory_plan._torch_solution`).
+        assumed = job.partition_excess if job.plan.torch_plan else job.schedule_excess
+        counted = {k: job.measured_excess.get(k, assumed[k]) for k in ("forward", "backward")}
         job.hold_to_budget(counted, f"Inductor's schedule of its {kind} graph", final=kind == "backward")
 
     def eager(self, kind: str) -> Callable:

@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from dpcs_compiler import rank_agreement
-from dpcs_compiler.cost.budget import WORKSPACE_FRACTION, planning_target
+from dpcs_compiler.cost.budget import WORKSPACE_FRACTION, planning_target, torch_plan_limit
 from dpcs_compiler.debug.progress import PassProgress
 from dpcs_compiler.cost.hardware import ResolvedProfile
 from dpcs_compiler.cost.memory_model import MemoryProblem, plan_memory
@@ -128,6 +128,7 @@ class GraphJob:
     sharing: Any | None = None  # `passes.analysis.planning.StepSharing`: what the step's other graphs see
     schedule_node_names: tuple[str, ...] = ()  # the planning schedule's nodes (a problem step's name)
     held_excess: dict[str, int] | None = None  # the excess the plan was last held to the budget with
+    torch_plan_refused: bool = False  # torch's partition was compiled and its schedule went over: dpcs plans
 
     @classmethod
     def start(cls, gm: fx.GraphModule, example_inputs: Sequence[Any], options: DpcsOptions) -> GraphJob:
@@ -241,14 +242,14 @@ class GraphJob:
         memory = plan_memory(self.in_step(problem, capped=True), self.plan.decisions)
         if self.provisional and not final:
             return
-        if self.provisional and memory.peak_bytes <= self.target:
+        if self.provisional and memory.peak_bytes <= self.limit:
             # The lowest plan, over by another plan's excess, fits by its own compiled graphs.
             self.ctx.plan = dataclasses.replace(self.plan, feasible=True)
             self.record.plan_feasible = True
             self.provisional = False
             self.finish()
             return
-        if memory.peak_bytes <= self.target or not (self.plan.feasible or self.provisional):
+        if memory.peak_bytes <= self.limit or not (self.plan.feasible or self.provisional):
             return
         if self.replanning and self.record.replans < MAX_SCHEDULE_REPLANS and not self.provisional:
             raise ScheduleOverBudget(excess)
@@ -287,6 +288,17 @@ class GraphJob:
             return context.target
         budget = self.budget_bytes if self.budget_bytes is not None else self.plan.budget_bytes
         return planning_target(budget) if budget is not None else 0
+
+    @property
+    def limit(self) -> int:
+        """The peak this graph's current plan is held to: `target`, or, for torch's own plan (kept because it
+        fits), the budget itself. The workspace allowance is for plans dpcs makes; torch's plan measured at
+        its own peak already includes its kernels' workspace, and a user whose budget is that peak must get
+        that plan (`stages/partition.py`)."""
+        context = self.options.step_context
+        if self.plan.torch_plan and (context is None or context.target is None):
+            return torch_plan_limit(self.budget_bytes if self.budget_bytes is not None else self.plan.budget_bytes or 0)
+        return self.target
 
     def step_graph(self, *, held_excess: bool = True) -> tuple[GraphStep, tuple[str, ...]] | None:
         """This training graph as the step planner sees it, with its plan's decisions; None without a plan.

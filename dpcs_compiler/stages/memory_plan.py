@@ -6,18 +6,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.fx as fx
 
 from dpcs_compiler import rank_agreement
-from dpcs_compiler.cost.budget import DeviceMemory, resolve_budget
+from dpcs_compiler.cost.budget import DeviceMemory, resolve_budget, torch_plan_limit
 from dpcs_compiler.cost.hardware import HardwareProfile
-from dpcs_compiler.cost.memory_model import OFFLOAD, RECOMPUTE, SAVE, plan_memory
+from dpcs_compiler.cost.memory_model import OFFLOAD, RECOMPUTE, SAVE, MemoryProblem, plan_memory
 from dpcs_compiler.cost.op_time import node_seconds, transfer_seconds
-from dpcs_compiler.cost.step_model import in_step, least_held_cap
+from dpcs_compiler.cost.step_model import StepContext, in_step, least_held_cap
 from dpcs_compiler.debug.render import format_bytes
 from dpcs_compiler.passes.analysis import op_cost
+from dpcs_compiler.passes.analysis.inductor_schedule import probe_available
 from dpcs_compiler.passes.analysis.planning import (
     PlanningGraph,
     planning_graph,
@@ -25,7 +27,9 @@ from dpcs_compiler.passes.analysis.planning import (
     step_sharing,
 )
 from dpcs_compiler.plan import ValueDecision
-from dpcs_compiler.solve import solve_or_measure, solved_decisions
+from dpcs_compiler.solve import fits, solve_or_measure
+from dpcs_compiler.solve.solution import Solution, measured_solution
+from dpcs_compiler.stages.calibrate import graph_calibration
 from dpcs_compiler.stages.job import (
     BudgetInfeasibleError,
     GraphJob,
@@ -59,9 +63,61 @@ def planning_budget(job: GraphJob, device: torch.device, resident_bytes: int, pr
     return job.budget_bytes
 
 
-def plan_memory_budget(job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: int) -> PlanningGraph:
-    """Candidates, cost model and solver: write the plan's decisions for the budget into `job.plan`."""
+# What torch's own partition of a graph would be, in the planner's terms: its saved set as one decision per
+# candidate, and what its partitioned graphs hold beyond the memory model of those decisions, per phase
+# (`stages/partition.py`); None when it cannot be had.
+TorchPlan = Callable[[PlanningGraph], "tuple[tuple[str, ...], dict[str, int]] | None"]
+TORCH_SOLVER = "torch min-cut"
+# Under Inductor, torch's partition is tried when its modelled peak (FX order) is within this fraction over
+# the budget: Inductor's own order often holds less (measured: 1.8% less on the bench GPT). Its schedule,
+# read before code is generated, decides (`GraphJob.hold_to_budget`); if it is over, dpcs plans instead.
+TORCH_PLAN_TRY_FRACTION = 0.03
+
+
+def _torch_solution(
+    job: GraphJob,
+    problem: MemoryProblem,
+    context: StepContext | None,
+    kept: tuple[tuple[str, ...], dict[str, int]],
+    budget: int,
+) -> Solution | None:
+    """Torch's partition as the plan, if it fits: held to the budget itself, its cap between phases included
+    (or to the step plan's target when no plan of the step fits it); None if it does not fit."""
+    decisions, excess = kept
+    limit = context.target if context is not None and context.target is not None else torch_plan_limit(budget)
+    # Its prediction is its partitioned graphs' own (the model of its decisions and what the graphs hold
+    # beyond or below it); what Inductor's schedule holds besides is read when it is compiled.
+    own = problem.with_schedule_excess(excess["forward"], excess["backward"])
+    solution = measured_solution(in_step(own, context, limit), decisions, limit, TORCH_SOLVER, 0.0)
+    # Its prediction: its peak in its step (the cap is a bound, not bytes alive).
+    uncapped = context if context is None else dataclasses.replace(context, boundary_cap=None)
+    solution = dataclasses.replace(solution, peak_bytes=plan_memory(in_step(own, uncapped, limit), decisions).peak_bytes)
+    if solution.feasible:
+        return solution
+    scheduled = job.options.compiler == "inductor" and probe_available()
+    if scheduled and not job.torch_plan_refused and solution.peak_bytes <= limit * (1 + TORCH_PLAN_TRY_FRACTION):
+        log.info("%s: torch's partition peaks at %d B in FX order, over %d B: tried, Inductor's schedule decides",
+                 job.record.graph, solution.peak_bytes, limit)
+        return dataclasses.replace(solution, feasible=True)
+    log.info("%s: torch's partition would peak at %d B, over %d B: dpcs plans", job.record.graph,
+             solution.peak_bytes, limit)
+    return None
+
+
+def plan_memory_budget(
+    job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: int, torch_plan: TorchPlan | None = None
+) -> PlanningGraph:
+    """Candidates, cost model and solver: write the plan's decisions for the budget into `job.plan`.
+
+    No cost at no pressure: if `torch_plan` is given, the graph is planned alone (no step context), and torch's
+    own partition fits the budget, that partition is the plan (`Plan.torch_plan`) and nothing is solved."""
     ctx, options = job.ctx, job.options
+    calibration = None
+    if options.calibrate:
+        with ctx.instrumented("plan", "calibrate"):
+            resolved = job.hardware_profile(graph_device(joint))
+            costs = ctx.analyses.get(op_cost, joint).per_node
+            calibration = graph_calibration(job, joint, costs, resolved.profile, resolved.hash)
     with ctx.instrumented("plan", "candidates"):
         schedule = planning_schedule(
             joint,
@@ -83,7 +139,7 @@ def plan_memory_budget(job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: in
             cost = costs.get(node, no_cost)
             if node in fused:  # computed inside its readers' kernel: its own bytes never go through memory
                 cost = NodeCost(cost.flops, 0, 0)
-            return node_seconds(cost, value_dtype(node), profile)
+            return node_seconds(cost, value_dtype(node), profile, calibration)
 
         # Offload is a host link's: the profile's (a GPU profile plans offloads even for a graph traced on CPU).
         transfer = (lambda nbytes: transfer_seconds(nbytes, profile)) if profile.host_to_device is not None else None
@@ -95,22 +151,34 @@ def plan_memory_budget(job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: in
         # Under Inductor, after a re-plan: the bytes its schedule held beyond the model (zero at first).
         problem = job.problem.with_schedule_excess(job.schedule_excess["forward"], job.schedule_excess["backward"])
         budget = planning_budget(job, device, planning.resident_bytes, profile)
+    # No cost at no pressure: torch's own partition, if it fits, for a graph planned alone. In a step of
+    # several graphs the step planner counts what each graph holds between its phases by the memory model of
+    # its decisions, and torch's partition can hold a little more there than the model of its saved set
+    # (measured: 1.8 KB over the step's predicted peak on the graph-break net), so there dpcs plans.
+    context = options.step_context
+    kept = None
+    if torch_plan is not None and not job.torch_plan_refused and context is None:
+        with ctx.instrumented("plan", "torch_partition"):
+            proposal = torch_plan(planning)
+            kept = _torch_solution(job, job.problem, context, proposal, budget) if proposal is not None else None
     with ctx.instrumented("plan", "solve"):
         # A graph whose backward reads nothing of the forward has nothing to decide.
         # Plans are held to the budget less an allowance for memory kernels allocate inside themselves.
         target = job.target  # the budget less a workspace allowance (or the step plan's, `StepContext.target`)
         # In a step of several graphs: the others' bytes around this one, and the cap on what it holds
         # between its forward and backward (`cost/step_model.py`).
-        context = options.step_context
-        if context is not None and context.hold_least:  # the first step, its order unknown: hold least
-            cap = least_held_cap(problem, context, target, solved_decisions)
-            context = dataclasses.replace(context, boundary_cap=cap, hold_least=False)
-        held = in_step(problem, context, target)
-        solution = solve_or_measure(held, target)
-        # The prediction: this graph's peak in its step (the cap is a bound, not bytes alive).
-        solution = dataclasses.replace(
-            solution, peak_bytes=plan_memory(job.in_step(problem, capped=False), solution.decisions).peak_bytes
-        )
+        if kept is not None:
+            solution = kept
+        else:
+            if context is not None and context.hold_least:  # the first step, its order unknown: hold least
+                cap = least_held_cap(problem, context, target, fits)
+                context = dataclasses.replace(context, boundary_cap=cap, hold_least=False)
+            held = in_step(problem, context, target)
+            solution = solve_or_measure(held, target)
+            # The prediction: this graph's peak in its step (the cap is a bound, not bytes alive).
+            solution = dataclasses.replace(
+                solution, peak_bytes=plan_memory(job.in_step(problem, capped=False), solution.decisions).peak_bytes
+            )
     if has_symbolic_shapes(joint):
         # Planned for the sizes the shape symbols are evaluated at: the traced ones, or the size bucket's a
         # runtime variant is compiled for (`runtime/variants.py`); larger calls get their own variant.
@@ -134,6 +202,7 @@ def plan_memory_budget(job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: in
         predicted_peak_bytes=solution.peak_bytes,
         feasible=solution.feasible,
         peak_node=schedule.nodes[peak_step].name if peak_step >= 0 else None,
+        torch_plan=solution.solver == TORCH_SOLVER,
     )
     record = job.record
     record.budget_bytes, record.plan_feasible, record.solver = budget, solution.feasible, solution.solver

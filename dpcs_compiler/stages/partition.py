@@ -3,6 +3,7 @@ and backward graphs, offload ops, and the simulated memory of the partitioned st
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -11,7 +12,7 @@ import torch.fx as fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
-from dpcs_compiler.cost.memory_model import OFFLOAD, plan_memory
+from dpcs_compiler.cost.memory_model import OFFLOAD, RECOMPUTE, SAVE, plan_memory
 from dpcs_compiler.passes.analysis import (
     FORWARD,
     Schedule,
@@ -22,12 +23,14 @@ from dpcs_compiler.passes.analysis import (
 from dpcs_compiler.passes.analysis.inductor_schedule import probe_available
 from dpcs_compiler.passes.analysis.planning import (
     RUNTIME_ALLOWANCE_BYTES,
+    PlanningGraph,
 )
 from dpcs_compiler.passes.rewrite.offload import insert_offloads
 from dpcs_compiler.passes.rewrite.partition import (
     partition_by_plan,
     recast_parameters_in_backward,
     recompute_upcasts,
+    saved_names,
 )
 from dpcs_compiler.plan import ValueDecision
 from dpcs_compiler.stages.job import GraphJob, PhaseLevels, has_symbolic_shapes
@@ -63,36 +66,35 @@ class JointPartitioner(CustomPartitionerFn):
             job.record.symbolic_shapes = has_symbolic_shapes(joint)
         if job.dumper is not None:
             job.dumper.write_timeline("joint_memory_timeline", joint_timeline, f"{job.record.graph} joint (no partition)")
+        torch_parts: dict[str, Any] = {}
         if job.options.memory_budget is None:
             with ctx.instrumented("partition", "min_cut"):
-                if job.plan.precision != "fp32" or any(d.fp8 for d in job.plan.fp8_linears):
-                    # Low-precision copies of weights are made again in backward, not saved; so are the
-                    # wide copies of narrow values.
-                    job.record.recast_parameter_nodes = recast_parameters_in_backward(joint, joint_schedule.parameters)
-                    forward_nodes = frozenset(n for n, phase in joint_schedule.phase.items() if phase == FORWARD)
-                    job.record.recomputed_upcasts = recompute_upcasts(joint, forward_nodes)
-                kwargs.setdefault("compiler", "inductor")  # Inductor passes it; the eager path asks for the same
-                forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+                forward, backward = self.min_cut(joint, joint_schedule, joint_inputs, kwargs)
         else:
-            planning = plan_memory_budget(job, joint, num_fwd_outputs)
-            with ctx.instrumented("partition", "plan"):
-                forward, backward = partition_by_plan(joint, joint_inputs, planning, job.plan.decisions, **kwargs)
-                offloaded = job.plan.decided(OFFLOAD)
-                if offloaded:
-                    insert_offloads(
-                        forward,
-                        backward,
-                        {v.name: v.reload_before for v in offloaded},
-                        release_after={v.name: v.release_after for v in offloaded},
-                    )
-        with ctx.instrumented("step", "analyses"):
-            step = job.as_compiled(
-                Schedule.of_partition(
-                    forward, backward, num_user_outputs=num_fwd_outputs, parameter_indices=job.parameter_indices
-                )
+
+            def torch_plan(planning: PlanningGraph):
+                return self.torch_plan(joint, joint_inputs, kwargs, planning, torch_parts)
+
+            planning = plan_memory_budget(
+                job, joint, num_fwd_outputs, torch_plan=torch_plan if job.options.keep_torch_plan else None
             )
-            timeline = ctx.analyses.get(memory_timeline, step)
-            live = ctx.analyses.get(liveness, step)
+            if job.plan.torch_plan:
+                forward, backward = torch_parts["parts"]
+            else:
+                with ctx.instrumented("partition", "plan"):
+                    forward, backward = partition_by_plan(joint, joint_inputs, planning, job.plan.decisions, **kwargs)
+                    offloaded = job.plan.decided(OFFLOAD)
+                    if offloaded:
+                        insert_offloads(
+                            forward,
+                            backward,
+                            {v.name: v.reload_before for v in offloaded},
+                            release_after={v.name: v.release_after for v in offloaded},
+                        )
+        with ctx.instrumented("step", "analyses"):
+            step, timeline, live = torch_parts.get("analyses") if job.plan.torch_plan else self.step_analyses(
+                forward, backward, num_fwd_outputs
+            )
             # Bytes a saved value keeps alive: the buffers it points into, less those of resident inputs
             # (a saved transpose of a weight costs nothing extra).
             kept = {n: [b for b in live.references.get(n, ()) if b.producer not in step.resident] for n in step.saved}
@@ -126,12 +128,7 @@ class JointPartitioner(CustomPartitionerFn):
             job.record.peak_node = job.plan.peak_node
             # What the partitioned graphs hold beyond the plan model, per phase (a value re-made once for
             # several recomputations is counted once by the partition, per candidate by the model).
-            model = plan_memory(job.problem, job.plan.decisions).bytes_during
-            start = job.problem.backward_start
-            job.partition_excess = {
-                "forward": job.levels.forward_peak + RUNTIME_ALLOWANCE_BYTES - int(model[:start].max(initial=0)),
-                "backward": job.levels.backward_peak + RUNTIME_ALLOWANCE_BYTES - int(model[start:].max(initial=0)),
-            }
+            job.partition_excess = partition_excess(job, job.levels, job.plan.decisions)
             if job.options.compiler != "inductor" or not probe_available():
                 # These graphs run as they are (or Inductor's schedule cannot be read): hold them to the budget.
                 job.hold_to_budget(dict(job.partition_excess), "its partitioned graphs")
@@ -141,3 +138,70 @@ class JointPartitioner(CustomPartitionerFn):
             job.record.graph, len(values), job.record.saved_bytes, timeline.peak_bytes, job.record.peak_node,
         )
         return forward, backward
+
+    def min_cut(
+        self, joint: fx.GraphModule, joint_schedule: Schedule | None, joint_inputs: Sequence[object], kwargs: dict
+    ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        """Torch's own partition (min-cut), with dpcs's low-precision tags (joint_schedule: of `joint`, or None
+        to make it when needed)."""
+        job = self.job
+        if job.plan.precision != "fp32" or any(d.fp8 for d in job.plan.fp8_linears):
+            if joint_schedule is None:
+                joint_schedule = Schedule.of_joint(
+                    joint, num_fwd_outputs=kwargs["num_fwd_outputs"], parameter_indices=job.parameter_indices
+                )
+            # Low-precision copies of weights are made again in backward, not saved; so are the wide copies
+            # of narrow values.
+            job.record.recast_parameter_nodes = recast_parameters_in_backward(joint, joint_schedule.parameters)
+            forward_nodes = frozenset(n for n, phase in joint_schedule.phase.items() if phase == FORWARD)
+            job.record.recomputed_upcasts = recompute_upcasts(joint, forward_nodes)
+        kwargs = {**kwargs}
+        kwargs.setdefault("compiler", "inductor")  # Inductor passes it; the eager path asks for the same
+        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+    def step_analyses(self, forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outputs: int):
+        """The partitioned step as it runs: its schedule, simulated memory and liveness."""
+        job, ctx = self.job, self.job.ctx
+        step = job.as_compiled(
+            Schedule.of_partition(forward, backward, num_user_outputs=num_fwd_outputs, parameter_indices=job.parameter_indices)
+        )
+        return step, ctx.analyses.get(memory_timeline, step), ctx.analyses.get(liveness, step)
+
+    def torch_plan(
+        self,
+        joint: fx.GraphModule,
+        joint_inputs: Sequence[object],
+        kwargs: dict,
+        planning: PlanningGraph,
+        out: dict[str, Any],
+    ) -> tuple[tuple[str, ...], dict[str, int]] | None:
+        """Torch's partition of a copy of `joint` (min-cut rewrites the graph it is given), in the planner's
+        terms (`stages/memory_plan.TorchPlan`): a candidate is saved if torch saves a value pointing into its
+        buffer (or it cannot be made again), else recomputed; and what its partitioned graphs hold beyond
+        the model of those decisions. Its parts and their analyses are kept in `out` for the partition."""
+        copied = fx.GraphModule(joint, copy.deepcopy(joint.graph))
+        forward, backward = self.min_cut(copied, None, joint_inputs, kwargs)
+        originals = {n.name: n for n in joint.graph.nodes}
+        held = set()
+        for name in saved_names(forward, kwargs["num_fwd_outputs"]):
+            node = originals.get(name)
+            if node is not None:  # else a value min-cut made itself (CSE), counted by the partition excess
+                held.update(planning.live.references.get(node, ()))
+        decisions = tuple(
+            SAVE if c.buffer in held or not m.can_recompute else RECOMPUTE
+            for c, m in zip(planning.candidates, self.job.problem.candidates)
+        )
+        analyses = self.step_analyses(forward, backward, kwargs["num_fwd_outputs"])
+        out["parts"], out["analyses"] = (forward, backward), analyses
+        return decisions, partition_excess(self.job, PhaseLevels.of(analyses[1]), decisions)
+
+
+def partition_excess(job: GraphJob, levels: PhaseLevels, decisions: Sequence[str]) -> dict[str, int]:
+    """What partitioned graphs hold beyond the plan model of `decisions`, per phase (a value re-made once for
+    several recomputations is counted once by the partition, per candidate by the model)."""
+    model = plan_memory(job.problem, decisions).bytes_during
+    start = job.problem.backward_start
+    return {
+        "forward": levels.forward_peak + RUNTIME_ALLOWANCE_BYTES - int(model[:start].max(initial=0)),
+        "backward": levels.backward_peak + RUNTIME_ALLOWANCE_BYTES - int(model[start:].max(initial=0)),
+    }

@@ -30,7 +30,7 @@ def quick_run(tmp_path_factory, bench):
     torch._dynamo.reset()
     status = bench.main([
         "--quick", "--device", "cpu", "--models", "gpt", "--compiler", "eager", "--amb", "0.5",
-        "--dpcs-below", "0.85,0.7", "--steps", "2", "--warmup", "1", "--out", str(out),
+        "--dpcs-below", "0.85,0.7", "--steps", "2", "--warmup", "1", "--out", str(out), "--calibrate",
     ])
     torch._dynamo.reset()
     return status, out
@@ -45,8 +45,8 @@ def test_quick_run_writes_results(quick_run):
     assert (out / "bench_cpu_quick.png").read_bytes()[:8] == PNG_MAGIC
 
     results = payload["models"]["gpt"]["strategies"]
-    upstream = ["eager", "eager_ac", "compile", "compile_amb=0.5"]
-    assert list(results)[:4] == upstream
+    upstream = ["eager", "eager_ac", "sac", "compile", "compile_amb=0.5"]
+    assert list(results)[:5] == upstream
     for name in upstream:
         r = results[name]
         assert r["error"] is None, (name, r["error"])
@@ -59,7 +59,9 @@ def test_quick_run_writes_results(quick_run):
     assert results["eager_ac"]["peak_bytes"] < results["eager"]["peak_bytes"]
     # The budget reached the partitioner: its graph is not the default compile's (no cache reuse).
     assert results["compile_amb=0.5"]["peak_bytes"] < results["compile"]["peak_bytes"]
-    assert results["compile"]["graphs"] == results["compile_amb=0.5"]["graphs"] == 1
+    assert results["compile"]["graphs"] == results["compile_amb=0.5"]["graphs"] == results["sac"]["graphs"] == 1
+    # Selective checkpointing recomputes what is not a matmul's output: less than compile, more than full AC.
+    assert results["eager_ac"]["peak_bytes"] < results["sac"]["peak_bytes"] < results["compile"]["peak_bytes"]
     assert all(r["recompiles_while_timing"] == 0 for r in results.values() if r.get("step_s") is not None)
 
 
@@ -69,8 +71,8 @@ def test_quick_run_dpcs_points(quick_run):
     _, out = quick_run
     model = json.loads((out / "bench_cpu_quick.json").read_text())["models"]["gpt"]
     results = model["strategies"]
-    dpcs = {n: r for n, r in results.items() if r["kind"] == "dpcs"}
-    upstream_peaks = [results[n]["peak_bytes"] for n in ("eager_ac", "compile", "compile_amb=0.5")]
+    dpcs = {n: r for n, r in results.items() if r["kind"] == "dpcs" and not r["calibrate"]}
+    upstream_peaks = [results[n]["peak_bytes"] for n in ("eager_ac", "sac", "compile", "compile_amb=0.5")]
     lowest = min(upstream_peaks)
     budgets = sorted((r["budget_bytes"] for r in dpcs.values()), reverse=True)
     assert budgets[-2:] == [int(lowest * 0.85), int(lowest * 0.7)]
@@ -84,7 +86,17 @@ def test_quick_run_dpcs_points(quick_run):
         else:
             assert r["peak_bytes"] > 0 and r["step_s"] > 0
             assert any(rec["mode"] == "training" for rec in r["records"])
+            assert 0 < r["first_step_pass_s"] <= r["pass_s"] and 0 < r["pass_share"] < 1
     targets = model["targets"]
+    # --calibrate: each pairwise budget also ran calibrated, its fit in its records, compared in the targets.
+    calibrated = {n: r for n, r in results.items() if r["kind"] == "dpcs" and r["calibrate"]}
+    assert {r["budget_bytes"] for r in calibrated.values()} == {
+        r["budget_bytes"] for r in dpcs.values() if r["budget_source"].startswith("peak of ")
+    }
+    assert all(n.startswith("dpcs_cal@") for n in calibrated)
+    assert all(rec["calibration"]["samples"] > 0 for r in calibrated.values() if r["error"] is None
+               for rec in r["records"] if rec["mode"] == "training")
+    assert set(targets["calibrated"]) == {n for n, r in calibrated.items() if r.get("step_s") is not None}
     assert set(targets["per_budget"]) == {n for n, r in dpcs.items() if r.get("step_s") is not None}
     assert targets["lowest_peak"]["required"] is True
     assert targets["lowest_peak"]["upstream_min_peak_bytes"] == min(
@@ -114,8 +126,8 @@ def test_targets(bench):
     third = t["per_budget"]["dpcs@50MiB"]
     assert third["within_budget"] is False and third["slower_than"] == ["compile", "eager", "eager_ac"]
     assert t["step_time_holds"] is False
-    assert t["lowest_peak"] == {"required": True, "dpcs_min_peak_bytes": 52 * MiB,
-                                "upstream_min_peak_bytes": 60 * MiB, "holds": True}
+    assert t["lowest_peak"] == {"required": True, "dpcs_min_peak_bytes": 52 * MiB, "upstream_min_peak_bytes": 60 * MiB,
+                                "ratio": pytest.approx(52 / 60), "target_ratio": 0.80, "holds": False}
     assert bench.targets("mlp", {"eager": results["eager"]})["lowest_peak"]["holds"] is None
 
 
@@ -235,3 +247,13 @@ def test_pairwise_targets_compare_dpcs_with_the_strategy_whose_peak_is_its_budge
     assert t["per_upstream"]["compile"]["time_ratio"] == pytest.approx(0.09 / 0.08)
     assert t["per_upstream"]["eager_ac"]["holds"] is True
     assert t["pairwise_holds"] is False
+    # The targets: 1.00x against a strategy that recomputes nothing, 0.95x against one that recomputes.
+    assert t["per_upstream"]["compile"]["target_ratio"] == 1.00
+    assert t["per_upstream"]["eager_ac"]["target_ratio"] == 0.95
+    results["dpcs@60MiB"]["step_s"] = 0.97 * 0.13  # faster, but not by 5%
+    assert bench.targets("gpt", results)["per_upstream"]["eager_ac"]["holds"] is False
+    results["dpcs@90MiB"]["step_s"] = 0.08  # as fast as compile: holds
+    assert bench.targets("gpt", results)["per_upstream"]["compile"]["holds"] is True
+    assert bench.targets("llama", results)["lowest_peak"]["required"] is True
+    assert [bench.recomputes(u) for u in ("compile", "compile_amb=1", "compile_amb=0.5", "eager_ac", "sac", "eager")] == [
+        False, False, True, True, True, False]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dpcs_compiler.cost.memory_model import OFFLOAD, RECOMPUTE, MemoryProblem, plan_memory, plan_seconds
-from dpcs_compiler.solve import solve_fast
+from dpcs_compiler.solve import fits, solve_fast
 from dpcs_compiler.solve.fast import Timeline
 from dpcs_compiler.solve.synthetic import random_problem
 
@@ -112,6 +112,23 @@ def test_fast_unreachable_budget_lowers_the_peak() -> None:
     assert solution.peak_bytes == plan_memory(problem, solution.decisions).peak_bytes
     floor = int(problem.base_bytes.max())
     assert solution.peak_bytes < floor + 0.5 * (saved - floor)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_fits_answers_as_the_full_solver_without_the_lowest_peak_search(seed: int) -> None:
+    """`solve.fits` (the step planner's searches): the same feasibility and the same feasible plan as
+    solve_fast; when nothing fits, an answer without the lowest-peak search (cheaper, never lower)."""
+    problem = random_problem(20 + seed, steps=300, candidates=50, can_offload=False)
+    saved = plan_memory(problem, problem.all_saved()).peak_bytes
+    floor = int(problem.base_bytes.max())
+    for budget in (int(floor + 0.5 * (saved - floor)), 0):
+        full = solve_fast(problem, budget)
+        decisions, feasible = fits(problem, budget)
+        assert feasible == full.feasible
+        if feasible:
+            assert decisions == full.decisions
+        else:
+            assert plan_memory(problem, decisions).peak_bytes >= full.peak_bytes > budget
 
 
 def test_fast_all_saved_when_it_fits() -> None:

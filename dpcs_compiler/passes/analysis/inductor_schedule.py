@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -267,15 +267,22 @@ def in_place_reuses(order: Sequence, step_of: dict, graph_inputs, graph_outputs)
 class ScheduledPeakProbe:
     """A post-fusion scheduler pass that records `scheduled_peak` of each graph it sees, changing nothing.
 
+    `check`, if given, is called with the first graph's reading (the graph compile_fx_inner was given: its
+    scheduler runs before any subgraph's, which are scheduled while it generates code), before Inductor
+    generates and compiles any code: an exception it raises (a plan over its budget) ends the compile
+    there, wrapped in Inductor's `InductorError`, instead of after a C++ compile the caller would throw away.
+
     It pickles and deep-copies as an inert handle (Inductor copies and may pickle its config).
     """
 
     def __init__(
-        self, *, resident: frozenset[str] | None = None, present: frozenset[str] | None = None, chained=None
+        self, *, resident: frozenset[str] | None = None, present: frozenset[str] | None = None, chained=None,
+        check: Callable[[ScheduledPeak], None] | None = None,
     ) -> None:
-        self.resident, self.present, self.chained = resident, present, chained
+        self.resident, self.present, self.chained, self.check = resident, present, chained, check
         self.peaks: list[ScheduledPeak] = []
         self.errors: list[str] = []  # readings that failed (an Inductor internal this module does not know)
+        self.checked: ScheduledPeak | None = None  # the reading `check` was called with
 
     def __call__(self, nodes: list) -> list:
         if self.chained is not None:
@@ -284,13 +291,18 @@ class ScheduledPeakProbe:
             self.peaks.append(scheduled_peak(nodes, resident=self.resident, present=self.present))
         except Exception as error:  # noqa: BLE001 - a failed reading is reported by the caller, not fatal here
             self.errors.append(f"{type(error).__name__}: {error}")
+            return nodes
+        if self.check is not None and len(self.peaks) == 1 and not self.errors:
+            self.checked = self.peaks[0]
+            self.check(self.checked)
         return nodes
 
     def __deepcopy__(self, memo: dict) -> ScheduledPeakProbe:
         return self
 
     def __reduce__(self):
-        return (ScheduledPeakProbe, (), {"resident": self.resident, "present": self.present, "chained": None, "peaks": [], "errors": []})
+        return (ScheduledPeakProbe, (), {"resident": self.resident, "present": self.present, "chained": None, "peaks": [],
+                                         "errors": [], "check": None, "checked": None})
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -298,10 +310,12 @@ class ScheduledPeakProbe:
 
 @contextlib.contextmanager
 def probe_scheduled_peak(
-    *, resident: frozenset[str] | None = None, present: frozenset[str] | None = None
+    *, resident: frozenset[str] | None = None, present: frozenset[str] | None = None,
+    check: Callable[[ScheduledPeak], None] | None = None,
 ) -> Iterator[ScheduledPeakProbe]:
-    """Within the block, every graph Inductor schedules is measured; the probe holds the results."""
+    """Within the block, every graph Inductor schedules is measured; the probe holds the results (and calls
+    `check` on the first, before code is generated: `ScheduledPeakProbe`)."""
     config = torch._inductor.config
-    probe = ScheduledPeakProbe(resident=resident, present=present, chained=config._post_fusion_custom_pass)
+    probe = ScheduledPeakProbe(resident=resident, present=present, chained=config._post_fusion_custom_pass, check=check)
     with config.patch(_post_fusion_custom_pass=probe):
         yield probe

@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from dpcs_compiler.cost import budget
 from dpcs_compiler.cost.memory_model import Candidate, MemoryProblem
 from dpcs_compiler.passes.analysis.base import require
 from dpcs_compiler.passes.analysis.fusion import _readers, inductor_fusion
@@ -32,7 +33,7 @@ from dpcs_compiler.passes.analysis.tensor_bytes import Buffer
 # Bytes the runtime allocates around a compiled step that no graph shows: scalar tensors made by the
 # autograd engine and AOTAutograd's wrappers (measured on CPU: 16 B alive at the peak of a 2-layer GPT).
 # The planner counts them at every step so a plan within the budget is within it when measured.
-RUNTIME_ALLOWANCE_BYTES = 256
+RUNTIME_ALLOWANCE_BYTES = budget.RUNTIME_ALLOWANCE_BYTES
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
