@@ -23,7 +23,7 @@ def test_one_run_reports_the_first_steps_and_dpcs_passes(compile_time):
     r = compile_time.one_run(2, "dpcs_budget", 2, 32, 2**30, "eager", quick=True)
     assert r["graphs"] == 2 and r["compiles"] >= 2  # GPT-2's own loss breaks the graph; step variants follow
     assert r["joint_nodes"] > 100 and 0 < r["pass_s"] < r["first_step_s"] < r["steps_s"]
-    assert "plan/torch_partition" in r["passes"] and set(r["solvers"]) <= {"torch min-cut", "exact", "fast"}
+    assert "plan/solve" in r["passes"] and set(r["solvers"]) <= {"torch min-cut", "exact", "fast"}
     assert 0 < r["peak_bytes"] <= 2**30
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -21,7 +22,7 @@ def test_the_trace_holds_dpcs_artifacts_and_torch_logs_turns_on_dpcs_logs(tmp_pa
     env.pop("DPCS_OPTIONS", None)
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
-    assert "graph_000: saved 2 values" in done.stderr  # dpcs.pipeline's INFO line, through torch's handler
+    assert re.search(r"graph_000: saved \d+ values", done.stderr)  # dpcs.pipeline's INFO line, through torch's handler
     (trace,) = (tmp_path / "trace").iterdir()
     artifacts: dict[str, list[dict]] = {}
     lines = trace.read_text().splitlines()
