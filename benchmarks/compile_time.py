@@ -16,8 +16,8 @@ is reused: a user's first run).
    measured peak without one, the peak being Inductor's; on_infeasible="best"). Ratios are against plain
    Inductor; the first step alone is reported too.
 2. Pass time against graph size, at each of `--layers`: dpcs's passes (the sum of every compile record's
-   pass seconds) with the budget, compiled with compiler="eager" (the passes are the same; Inductor's own
-   time is left out), against the joint graph's nodes. Linear growth keeps seconds per node flat.
+   pass seconds, and the step planner's time, "step/plan") with the budget, compiled with compiler="eager"
+   (the passes are the same; Inductor's own time is left out), against the joint graph's nodes. Linear growth keeps seconds per node flat.
 
 Writes compile_time_cpu.json (device, torch and transformers versions inside) and compile_time_cpu.png.
 `--quick`: 2 and 4 layers, a tiny model (tests).
@@ -56,12 +56,12 @@ def one_run(layers: int, mode: str, batch: int, seq: int, budget: int | None, co
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from dpcs_compiler.measure import measure_peak_memory, resident_bytes
-    from dpcs_compiler.report import clear_compile_records, compile_records
+    from dpcs_compiler.report import clear_compile_records, compile_records, step_records
 
     if mode not in MODES:
         raise ValueError(f"compile_time: mode {mode!r} is not valid; valid choices: {', '.join(MODES)}")
     torch._dynamo.reset()
-    clear_compile_records()
+    clear_compile_records()  # and the step records
     torch.manual_seed(0)
     size = dict(n_embd=64, n_head=2, vocab_size=512, n_positions=seq) if quick else {}
     model = GPT2LMHeadModel(GPT2Config(n_layer=layers, **size))
@@ -93,6 +93,9 @@ def one_run(layers: int, mode: str, batch: int, seq: int, budget: int | None, co
     for record in records:
         for name, seconds in record.pass_seconds.items():
             passes[name] = passes.get(name, 0.0) + seconds
+    planned = step_records()
+    if planned:  # the step planner's level search (each graph's compile of the plan is in its record)
+        passes["step/plan"] = sum(r.planning_seconds for r in planned)
     return {
         "layers": layers,
         "mode": mode,

@@ -146,6 +146,10 @@ class StepRecord:
     # chose how the "auto" CompressedOptimizers keep it: "format", "on_host", the seconds it adds, the activation
     # plan's added seconds, and every option weighed ([lever, bytes, seconds]).
     optimizer_state: dict[str, Any] | None = None
+    # The step planner's time for this plan (its level search and solves; each graph's compile after it is in
+    # its `CompileRecord.pass_seconds`), and how many graph plans it solved.
+    planning_seconds: float = 0.0
+    solves: int = 0
 
     def split(self) -> dict[str, int]:
         """The predicted peak in parts: parameters, optimizer state, other memory alive through the step

@@ -215,6 +215,24 @@ def plan_memory(problem: MemoryProblem, decisions: Sequence[str]) -> PlanMemory:
     return PlanMemory(bytes_during=during, peak_bytes=int(during[peak_step]) if len(during) else 0, peak_step=peak_step)
 
 
+def floor_bytes(problem: MemoryProblem) -> np.ndarray:
+    """int64 [steps]: bytes no plan goes below at each step (a bound, not a plan): the base, plus each
+    candidate where every decision keeps it alive. Recomputing or offloading a candidate still keeps it from
+    its making to its last forward use and from its first backward use to its last (a recomputation is made
+    at its first backward use or earlier, a reload lands by then, an offload frees it after its last forward
+    use or later); one that can only be saved is alive throughout."""
+    delta = np.zeros(problem.steps + 1, dtype=np.int64)
+    for c in problem.candidates:
+        if c.can_recompute or c.can_offload:
+            stretches = ((c.produced, c.last_forward_use), (c.first_backward_use, c.last_use))
+        else:
+            stretches = ((c.produced, c.last_use),)
+        for start, end in stretches:
+            delta[start] += c.nbytes
+            delta[end + 1] -= c.nbytes
+    return problem.base_bytes + np.cumsum(delta[:-1])
+
+
 def plan_seconds(problem: MemoryProblem, decisions: Sequence[str]) -> float:
     """Seconds the plan adds to the step: recomputation, and copies not hidden behind compute."""
     check_decisions(problem, decisions)

@@ -34,6 +34,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import time
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -732,6 +733,7 @@ class StepRecorder:
                 blocks: dict[tuple[int, int], _Block] | None = None,
                 transients: Sequence[dict[tuple, int]] | None = None) -> tuple[StepRecord | None, str | None]:
         """The step plan as a record, and the error message when no plan fits (None when it does)."""
+        started = time.perf_counter()
         graphs: dict[str, GraphStep] = {}
         current: dict[str, tuple[str, ...]] = {}
         for name, d in dispatchers.items():
@@ -778,6 +780,8 @@ class StepRecorder:
             contexts={k: (c.to_json() if c else None) for k, c in plan.contexts.items()},
             parameter_bytes=max(s.parameter_bytes for s in shapes),
             optimizer_state=state,
+            planning_seconds=time.perf_counter() - started,
+            solves=plan.solves,
         )
         if plan.feasible:
             return record, None

@@ -46,11 +46,13 @@ def solved_decisions(problem: MemoryProblem, budget_bytes: int) -> tuple[tuple[s
 def fits(problem: MemoryProblem, budget_bytes: int) -> tuple[tuple[str, ...], bool]:
     """Whether a plan within `budget_bytes` exists, as searches over many budgets ask it (the step planner's
     levels, the first step's least-held cap): the fast solver, without its search for the lowest peak when
-    nothing fits. (decisions, feasible); the decisions of an infeasible answer are only the best found."""
+    nothing fits, and without the local search that makes a fitting plan faster (those searches keep whether
+    a graph fits and what it then holds; the plan compiled is solved again, in full). (decisions, feasible);
+    the decisions of an infeasible answer are only the best found."""
     if not problem.candidates:
         solution = measured_solution(problem, (), budget_bytes, "none", 0.0)
     else:
-        solution = solve_fast(problem, budget_bytes, lowest_when_over=False)
+        solution = solve_fast(problem, budget_bytes, lowest_when_over=False, local_search=False)
     return solution.decisions, solution.feasible
 
 

@@ -17,13 +17,14 @@ Deterministic: work is bounded by counts, never by the clock.
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections.abc import Callable
 
 import numpy as np
 
-from dpcs_compiler.cost.memory_model import DECISIONS, MemoryProblem
+from dpcs_compiler.cost.memory_model import DECISIONS, MemoryProblem, floor_bytes
 from dpcs_compiler.solve.solution import Solution, measured_solution
 
 SAVE_, RECOMPUTE_, OFFLOAD_ = 0, 1, 2  # indices into DECISIONS
@@ -182,23 +183,27 @@ class Timeline:
         old_k = decision[i]
         decision[i] = k  # temporarily, to walk the plan as it would be
         try:
-            affected = [i]
-            stack = [i]
-            while stack:
-                for j in self.inputs[stack.pop()]:
-                    if decision[j] == RECOMPUTE_ and j not in affected:
-                        affected.append(j)
-                        stack.append(j)
+            # Consumers before their inputs (inputs are earlier candidates): a max-heap on the index. The walk
+            # goes on through an input only where a remake step moved (or from i itself): an input's remake
+            # step is the earliest of its recomputed consumers', so one whose step stays moves none of its own.
             made: dict[int, int] = {}
-            for x in sorted(affected, reverse=True):  # consumers before their inputs
+            heap, queued = [-i], {i}
+            while heap:
+                x = -heapq.heappop(heap)
                 if decision[x] != RECOMPUTE_:
-                    made[x] = -1
+                    m = -1
+                else:
+                    m = self.first_backward[x]
+                    for d in self.consumers[x]:
+                        if decision[d] == RECOMPUTE_:
+                            m = min(m, made.get(d, self.made[d]))
+                if x != i and m == self.made[x]:
                     continue
-                m = self.first_backward[x]
-                for d in self.consumers[x]:
-                    if decision[d] == RECOMPUTE_:
-                        m = min(m, made.get(d, self.made[d]))
                 made[x] = m
+                for j in self.inputs[x]:
+                    if decision[j] == RECOMPUTE_ and j not in queued:
+                        queued.add(j)
+                        heapq.heappush(heap, -j)
         finally:
             decision[i] = old_k
         delta = []
@@ -605,15 +610,26 @@ def _better(a: tuple[int, float], b: tuple[int, float], budget: int) -> bool:
     return a[1] < b[1] if a_fits else a < b
 
 
-def solve_fast(problem: MemoryProblem, budget_bytes: int, *, lowest_when_over: bool = True) -> Solution:
+def solve_fast(problem: MemoryProblem, budget_bytes: int, *, lowest_when_over: bool = True,
+               local_search: bool = True) -> Solution:
     """A fast plan whose peak fits `budget_bytes`, or, if the heuristics cannot fit it, the lowest peak they
     reach (feasible=False). `lowest_when_over=False`: a caller that only asks whether the budget can be met
     (the step planner's level search) gets the best plan found when it cannot, without the search for the
-    lowest peak (the costly part of an infeasible solve)."""
+    lowest peak (the costly part of an infeasible solve). `local_search=False`: the plan of the greedy repair
+    and the prices, without the local search that makes it faster (it never changes whether it fits)."""
     started = time.perf_counter()
     budget = int(budget_bytes)
     tl = Timeline(problem)
     if not tl.n or tl.peak() <= budget:  # all-SAVE fits, or nothing to decide
+        return measured_solution(problem, tl.decisions(), budget, "fast", time.perf_counter() - started)
+    out_of_memory = [
+        RECOMPUTE_ if tl.cost[i][RECOMPUTE_] < math.inf else OFFLOAD_ if tl.cost[i][OFFLOAD_] < math.inf else SAVE_
+        for i in range(tl.n)
+    ]
+    if not lowest_when_over and int(floor_bytes(problem).max()) > budget:
+        # No plan fits (a step's floor is over): what the caller asked is answered; the plan given is the
+        # one with everything out of memory that can be.
+        tl.reset(out_of_memory)
         return measured_solution(problem, tl.decisions(), budget, "fast", time.perf_counter() - started)
     best: list = []  # [(peak, seconds), decisions]
 
@@ -634,10 +650,6 @@ def solve_fast(problem: MemoryProblem, budget_bytes: int, *, lowest_when_over: b
 
     consider([SAVE_] * tl.n)
     # Everything out of memory that can be (recomputed, else offloaded), then the clean-up keeps what pays.
-    out_of_memory = [
-        RECOMPUTE_ if tl.cost[i][RECOMPUTE_] < math.inf else OFFLOAD_ if tl.cost[i][OFFLOAD_] < math.inf else SAVE_
-        for i in range(tl.n)
-    ]
     consider(out_of_memory)
     _price_search(tl, budget, consider, best[0][1] if best[0][0] <= budget else math.inf)
     if best[0][0] > budget and not lowest_when_over:
@@ -659,5 +671,6 @@ def solve_fast(problem: MemoryProblem, budget_bytes: int, *, lowest_when_over: b
         clean_up(tl, max(budget, tl.peak()))
     else:
         tl.reset(best[1])
-    improve(tl, max(budget, tl.peak()))
+    if local_search:
+        improve(tl, max(budget, tl.peak()))
     return measured_solution(problem, tl.decisions(), budget, "fast", time.perf_counter() - started)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -11,10 +13,12 @@ from dpcs_compiler.cost.memory_model import (
     SAVE,
     Candidate,
     MemoryProblem,
+    floor_bytes,
     materialize_steps,
     plan_memory,
     plan_seconds,
 )
+from dpcs_compiler.solve.synthetic import random_problem
 
 
 def problem() -> MemoryProblem:
@@ -89,3 +93,27 @@ def test_schedule_excess_adds_to_each_phase():
     assert p.with_schedule_excess(0, 0) is p
     # the copy timing stays with the steps
     assert p.with_schedule_excess(1, 1).reload_step(1) == p.reload_step(1)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_floor_bytes_is_under_every_plan_and_reached(seed: int) -> None:
+    """`floor_bytes` bounds every plan's bytes from below at every step, and is what a plan that takes each
+    candidate out of memory without chains or transients holds."""
+    problem = random_problem(seed, steps=200, candidates=40, transient_fraction=0.3, can_offload=seed % 2 == 0)
+    floor = floor_bytes(problem)
+    rng = np.random.default_rng(seed)
+    for _ in range(50):
+        decisions = [
+            rng.choice([d for d, ok in ((SAVE, True), (RECOMPUTE, c.can_recompute), (OFFLOAD, c.can_offload)) if ok])
+            for c in problem.candidates
+        ]
+        assert (plan_memory(problem, decisions).bytes_during >= floor).all()
+    plain = dataclasses.replace(
+        problem,
+        candidates=tuple(
+            dataclasses.replace(c, recompute_inputs=(), recompute_transient=0, can_offload=False)
+            for c in problem.candidates
+        ),
+    )
+    out = [RECOMPUTE if c.can_recompute else SAVE for c in plain.candidates]
+    np.testing.assert_array_equal(plan_memory(plain, out).bytes_during, floor_bytes(plain))

@@ -309,6 +309,7 @@ def test_a_loss_in_eager_code_is_measured_and_counted_at_the_steps_turn(fraction
     assert alone > budget
     assert step_peak <= budget
     assert record.feasible and record.replanned and record.turn_bytes > 30_000_000
+    assert record.solves > 0 and record.planning_seconds > 0  # the planner's own work is on the record
     assert step_peak <= record.predicted_peak_bytes <= 1.01 * step_peak
     model.zero_grad(set_to_none=True)
     contrastive_loss(compiled(x)).backward()

@@ -98,6 +98,7 @@ def liveness(schedule: Schedule, analyses: Any | None = None) -> Liveness:
     # A value the backward returns as it received it (a gradient the forward computed) is live out too.
     live_out = schedule.live_out | {schedule.source(n) for n in schedule.live_out}
     backward_starts = first_backward if first_backward is not None else after_step
+    resident = frozenset(schedule.resident)
     values: dict[fx.Node, Interval] = {}
     for node, start in position.items():
         if node in schedule.receives:
@@ -105,7 +106,7 @@ def liveness(schedule: Schedule, analyses: Any | None = None) -> Liveness:
         end = max(uses.get(node, []), default=start)
         if node in schedule.saved:
             end = max(end, backward_starts)
-        if node in live_out or node in schedule.resident:
+        if node in live_out or node in resident:
             end = after_step
         values[node] = Interval(start, max(start, end))
 
@@ -162,7 +163,7 @@ def _in_place_reuses(
             and b not in taken
             and buffers[b].end == i
             and buffers[b].start != BEFORE_STEP
-            and b.producer not in schedule.late_inputs
+            and b.producer not in schedule.late_input_set
             and size(b) == size(made[0])
             and dtype(b) == dtype(made[0])
         ]

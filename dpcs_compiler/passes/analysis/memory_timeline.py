@@ -70,7 +70,7 @@ def buffer_categories(live: Liveness) -> dict[Buffer, str]:
         producer = buffer.producer
         if producer in schedule.parameters:
             category = "parameter"
-        elif producer in schedule.resident or producer in schedule.late_inputs:
+        elif producer in schedule.outside:
             category = "input"
         elif buffer in referenced_by_grad:
             category = "gradient"

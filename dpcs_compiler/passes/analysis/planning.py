@@ -325,7 +325,7 @@ def step_sharing(planning: PlanningGraph, num_fwd_outputs: int) -> StepSharing:
         if category == "parameter":
             parameters += live.hint(b)
             shared += live.hint(b)
-        elif category in ("input", "output") and b.producer not in schedule.late_inputs and not read_by_backward(b):
+        elif category in ("input", "output") and b.producer not in schedule.late_input_set and not read_by_backward(b):
             shared += live.hint(b)
     gradients = 0
     made: list[tuple[int, int]] = []

@@ -10,6 +10,7 @@ backward use whether the graphs are joint or partitioned.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import torch.fx as fx
@@ -52,12 +53,22 @@ class Schedule:
     fused: frozenset[fx.Node] = frozenset()
     reuses_dying_inputs: bool = False
 
-    @property
+    @functools.cached_property
     def first_backward_index(self) -> int | None:
         for i, node in enumerate(self.nodes):
             if self.phase[node] == BACKWARD:
                 return i
         return None
+
+    @functools.cached_property
+    def outside(self) -> frozenset[fx.Node]:
+        """The placeholders made outside the schedule's nodes: resident ones and late inputs (a set, for the
+        membership tests over every buffer)."""
+        return frozenset(self.resident) | frozenset(self.late_inputs)
+
+    @functools.cached_property
+    def late_input_set(self) -> frozenset[fx.Node]:
+        return frozenset(self.late_inputs)
 
     def source(self, node: fx.Node) -> fx.Node:
         """The node that produced a value (a backward placeholder's forward producer, else itself)."""
