@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -63,10 +64,21 @@ def planning_budget(job: GraphJob, device: torch.device, resident_bytes: int, pr
     return job.budget_bytes
 
 
-# What torch's own partition of a graph would be, in the planner's terms: its saved set as one decision per
-# candidate, and what its partitioned graphs hold beyond the memory model of those decisions, per phase
-# (`stages/partition.py`); None when it cannot be had.
-TorchPlan = Callable[[PlanningGraph], "tuple[tuple[str, ...], dict[str, int]] | None"]
+@dataclasses.dataclass(frozen=True, eq=False)
+class TorchPartition:
+    """Torch's own partition of a graph (min-cut), in the planner's terms (`stages/partition.py`).
+
+    decisions: its saved set as one decision per candidate; excess: what its partitioned graphs hold beyond
+    the memory model of those decisions, per phase; parts: its forward and backward graphs; analyses: their
+    schedule, simulated memory and liveness (what the partition stage reads of the graphs it compiles)."""
+
+    decisions: tuple[str, ...]
+    excess: dict[str, int]
+    parts: tuple[fx.GraphModule, fx.GraphModule]
+    analyses: tuple[Any, Any, Any]
+
+
+TorchPlan = Callable[[PlanningGraph], "TorchPartition | None"]  # None when it cannot be had
 TORCH_SOLVER = "torch min-cut"
 # Under Inductor, torch's partition is tried when its modelled peak (FX order) is within this fraction over
 # the budget: Inductor's own order often holds less (measured: 1.8% less on the bench GPT). Its schedule,
@@ -74,16 +86,36 @@ TORCH_SOLVER = "torch min-cut"
 TORCH_PLAN_TRY_FRACTION = 0.03
 
 
+def torch_plan_refusal(job: GraphJob) -> str | None:
+    """Why torch's own partition is not a plan for this graph (None: it is tried first, and kept if it fits).
+
+    It is kept only where its prediction was checked against measured peaks: for a graph planned alone (in a
+    step of several graphs the step planner counts what each graph holds between its phases by the memory
+    model of its decisions, and torch's partition can hold a little more there than the model of its saved
+    set: 1.8 KB over the step's predicted peak on the graph-break net), and in fp32 (torch's partition of a
+    bf16 graph measured 6% over its prediction under Inductor; dpcs's own plans are what the peak model was
+    checked on with low-precision casts)."""
+    if not job.options.keep_torch_plan:
+        return "keep_torch_plan=False"
+    if job.torch_plan_refused:
+        return "Inductor's schedule of torch's partition went over the budget"
+    if job.options.step_context is not None:
+        return "the graph is planned in a step of several graphs"
+    if job.plan.precision != "fp32" or any(d.fp8 for d in job.plan.fp8_linears):
+        return f"the graph runs in {job.plan.precision} or fp8"
+    return None
+
+
 def _torch_solution(
     job: GraphJob,
     problem: MemoryProblem,
     context: StepContext | None,
-    kept: tuple[tuple[str, ...], dict[str, int]],
+    kept: TorchPartition,
     budget: int,
 ) -> Solution | None:
     """Torch's partition as the plan, if it fits: held to the budget itself, its cap between phases included
     (or to the step plan's target when no plan of the step fits it); None if it does not fit."""
-    decisions, excess = kept
+    decisions, excess = kept.decisions, kept.excess
     limit = context.target if context is not None and context.target is not None else torch_plan_limit(budget)
     # Its prediction is its partitioned graphs' own (the model of its decisions and what the graphs hold
     # beyond or below it); what Inductor's schedule holds besides is read when it is compiled.
@@ -106,11 +138,12 @@ def _torch_solution(
 
 def plan_memory_budget(
     job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: int, torch_plan: TorchPlan | None = None
-) -> PlanningGraph:
+) -> tuple[PlanningGraph, TorchPartition | None]:
     """Candidates, cost model and solver: write the plan's decisions for the budget into `job.plan`.
 
-    No cost at no pressure: if `torch_plan` is given, the graph is planned alone (no step context), and torch's
-    own partition fits the budget, that partition is the plan (`Plan.torch_plan`) and nothing is solved."""
+    No cost at no pressure: if `torch_plan` is given, `torch_plan_refusal` allows it, and torch's own partition
+    fits the budget, that partition is the plan (`Plan.torch_plan`), nothing is solved, and it is returned
+    beside the planning graph for the partition stage to compile (else None)."""
     ctx, options = job.ctx, job.options
     calibration = None
     if options.calibrate:
@@ -151,19 +184,16 @@ def plan_memory_budget(
         # Under Inductor, after a re-plan: the bytes its schedule held beyond the model (zero at first).
         problem = job.problem.with_schedule_excess(job.schedule_excess["forward"], job.schedule_excess["backward"])
         budget = planning_budget(job, device, planning.resident_bytes, profile)
-    # No cost at no pressure: torch's own partition, if it fits, for a graph planned alone. In a step of
-    # several graphs the step planner counts what each graph holds between its phases by the memory model of
-    # its decisions, and torch's partition can hold a little more there than the model of its saved set
-    # (measured: 1.8 KB over the step's predicted peak on the graph-break net), so there dpcs plans.
+    # No cost at no pressure: torch's own partition, if it fits.
     context = options.step_context
-    kept = None
-    # (And for fp32 graphs: with low-precision casts dpcs's own plans are what its peak model was checked on;
-    # torch's partition of a bf16 graph measured 6% over its prediction under Inductor.)
-    low_precision = job.plan.precision != "fp32" or any(d.fp8 for d in job.plan.fp8_linears)
-    if torch_plan is not None and not job.torch_plan_refused and context is None and not low_precision:
+    kept = partition = None
+    refusal = torch_plan_refusal(job) if torch_plan is not None else "not offered"
+    if refusal is None:
         with ctx.instrumented("plan", "torch_partition"):
-            proposal = torch_plan(planning)
-            kept = _torch_solution(job, job.problem, context, proposal, budget) if proposal is not None else None
+            partition = torch_plan(planning)
+            kept = _torch_solution(job, job.problem, context, partition, budget) if partition is not None else None
+    else:
+        log.debug("%s: torch's own partition is not tried: %s", job.record.graph, refusal)
     with ctx.instrumented("plan", "solve"):
         # A graph whose backward reads nothing of the forward has nothing to decide.
         # Plans are held to the budget less an allowance for memory kernels allocate inside themselves.
@@ -242,5 +272,5 @@ def plan_memory_budget(
         record.graph, budget, solution.peak_bytes, "fits" if solution.feasible else "over",
         record.recomputed_values, record.offloaded_values,
     )
-    return planning
+    return planning, (partition if kept is not None else None)
 

@@ -34,7 +34,7 @@ from dpcs_compiler.passes.rewrite.partition import (
 )
 from dpcs_compiler.plan import ValueDecision
 from dpcs_compiler.stages.job import GraphJob, PhaseLevels, has_symbolic_shapes
-from dpcs_compiler.stages.memory_plan import plan_memory_budget
+from dpcs_compiler.stages.memory_plan import TorchPartition, plan_memory_budget
 
 log = logging.getLogger("dpcs.pipeline")
 
@@ -66,20 +66,16 @@ class JointPartitioner(CustomPartitionerFn):
             job.record.symbolic_shapes = has_symbolic_shapes(joint)
         if job.dumper is not None:
             job.dumper.write_timeline("joint_memory_timeline", joint_timeline, f"{job.record.graph} joint (no partition)")
-        torch_parts: dict[str, Any] = {}
+        kept: TorchPartition | None = None
         if job.options.memory_budget is None:
             with ctx.instrumented("partition", "min_cut"):
                 forward, backward = self.min_cut(joint, joint_schedule, joint_inputs, kwargs)
         else:
-
-            def torch_plan(planning: PlanningGraph):
-                return self.torch_plan(joint, joint_inputs, kwargs, planning, torch_parts)
-
-            planning = plan_memory_budget(
-                job, joint, num_fwd_outputs, torch_plan=torch_plan if job.options.keep_torch_plan else None
+            planning, kept = plan_memory_budget(
+                job, joint, num_fwd_outputs, lambda planning: self.torch_plan(joint, joint_inputs, kwargs, planning)
             )
-            if job.plan.torch_plan:
-                forward, backward = torch_parts["parts"]
+            if kept is not None:
+                forward, backward = kept.parts
             else:
                 with ctx.instrumented("partition", "plan"):
                     forward, backward = partition_by_plan(joint, joint_inputs, planning, job.plan.decisions, **kwargs)
@@ -92,7 +88,7 @@ class JointPartitioner(CustomPartitionerFn):
                             release_after={v.name: v.release_after for v in offloaded},
                         )
         with ctx.instrumented("step", "analyses"):
-            step, timeline, live = torch_parts.get("analyses") if job.plan.torch_plan else self.step_analyses(
+            step, timeline, live = kept.analyses if kept is not None else self.step_analyses(
                 forward, backward, num_fwd_outputs
             )
             # Bytes a saved value keeps alive: the buffers it points into, less those of resident inputs
@@ -168,17 +164,12 @@ class JointPartitioner(CustomPartitionerFn):
         return step, ctx.analyses.get(memory_timeline, step), ctx.analyses.get(liveness, step)
 
     def torch_plan(
-        self,
-        joint: fx.GraphModule,
-        joint_inputs: Sequence[object],
-        kwargs: dict,
-        planning: PlanningGraph,
-        out: dict[str, Any],
-    ) -> tuple[tuple[str, ...], dict[str, int]] | None:
+        self, joint: fx.GraphModule, joint_inputs: Sequence[object], kwargs: dict, planning: PlanningGraph
+    ) -> TorchPartition:
         """Torch's partition of a copy of `joint` (min-cut rewrites the graph it is given), in the planner's
-        terms (`stages/memory_plan.TorchPlan`): a candidate is saved if torch saves a value pointing into its
-        buffer (or it cannot be made again), else recomputed; and what its partitioned graphs hold beyond
-        the model of those decisions. Its parts and their analyses are kept in `out` for the partition."""
+        terms (`stages/memory_plan.TorchPartition`): a candidate is saved if torch saves a value pointing into
+        its buffer (or it cannot be made again), else recomputed; and what its partitioned graphs hold beyond
+        the model of those decisions."""
         copied = fx.GraphModule(joint, copy.deepcopy(joint.graph))
         forward, backward = self.min_cut(copied, None, joint_inputs, kwargs)
         originals = {n.name: n for n in joint.graph.nodes}
@@ -192,8 +183,8 @@ class JointPartitioner(CustomPartitionerFn):
             for c, m in zip(planning.candidates, self.job.problem.candidates)
         )
         analyses = self.step_analyses(forward, backward, kwargs["num_fwd_outputs"])
-        out["parts"], out["analyses"] = (forward, backward), analyses
-        return decisions, partition_excess(self.job, PhaseLevels.of(analyses[1]), decisions)
+        excess = partition_excess(self.job, PhaseLevels.of(analyses[1]), decisions)
+        return TorchPartition(decisions, excess, (forward, backward), analyses)
 
 
 def partition_excess(job: GraphJob, levels: PhaseLevels, decisions: Sequence[str]) -> dict[str, int]:
