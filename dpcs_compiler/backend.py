@@ -11,7 +11,6 @@ What it returns is a `GraphDispatcher` (`runtime/variants.py`): the graph compil
 
 from __future__ import annotations
 
-import copy
 import logging
 import traceback
 import warnings
@@ -27,6 +26,7 @@ from dpcs_compiler.options import DpcsOptions
 from dpcs_compiler.pipeline import compile_graph
 from dpcs_compiler.rank_agreement import RankDisagreementError
 from dpcs_compiler.report import compile_records, records_since
+from dpcs_compiler.passes.infra import copy_graph_module
 from dpcs_compiler.runtime.variants import GraphDispatcher
 from dpcs_compiler.stages.job import BudgetInfeasibleError
 
@@ -57,7 +57,7 @@ def compile_with_fallback(gm: fx.GraphModule, example_inputs: Sequence[Any], opt
         # Inductor takes ownership of the graph it compiles and mutates it: dpcs gets a copy, so the
         # fallback compiles the graph exactly as Dynamo made it.
         with progress.task("dpcs: compiling a graph"):
-            return compile_graph(fx.GraphModule(gm, copy.deepcopy(gm.graph)), example_inputs, opts)
+            return compile_graph(copy_graph_module(gm), example_inputs, opts)
     except (RestartAnalysis, SkipFrame, ShortenTraceback, BudgetInfeasibleError, RankDisagreementError):
         # Dynamo's own control flow, or an answer for the user (no plan fits the budget; the ranks compiled
         # different plans, on every rank alike): not a failure to hide behind a fallback

@@ -22,7 +22,6 @@ compile time, so a resumed run compiles the restored variant first; a graph comp
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import fnmatch
 import logging
@@ -38,6 +37,7 @@ import torch.fx as fx
 from dpcs_compiler.cost.step_model import StepContext
 from dpcs_compiler.options import DpcsOptions, Fp8Options
 from dpcs_compiler.passes.analysis.op_sites import module_stack
+from dpcs_compiler.passes.infra import copy_graph_module
 from dpcs_compiler.rank_agreement import graph_fingerprint
 from dpcs_compiler.report import CompileRecord, compile_records, records_since
 from dpcs_compiler.runtime.decisions import Decisions
@@ -184,7 +184,7 @@ class GraphDispatcher:
         self.compile_fn = compile_fn
         # Kept to compile other variants: the graph as Dynamo made it, and fake inputs in Dynamo's fake mode
         # (symbolic sizes and all; no real tensor is kept alive).
-        self.graph_module = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+        self.graph_module = copy_graph_module(gm)
         self.fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
         try:
             self.fake_inputs: list[Any] | None = fake_inputs(self.fake_mode, example_inputs)
@@ -395,7 +395,7 @@ class GraphDispatcher:
         error = None
         if dynamo_inputs is None and self.fake_inputs is None:
             raise RuntimeError(f"no variant of this graph can be compiled between steps: {self.no_variants}")
-        graph = fx.GraphModule(self.graph_module, copy.deepcopy(self.graph_module.graph))
+        graph = copy_graph_module(self.graph_module)
         try:
             if dynamo_inputs is not None:
                 fn = self.compile_fn(graph, list(dynamo_inputs), options, not self.variants)

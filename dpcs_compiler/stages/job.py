@@ -4,7 +4,6 @@ budget) and the small facts about a graph that several stages read."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import itertools
 import json
@@ -35,6 +34,7 @@ from dpcs_compiler.passes.infra import (
     PassContext,
     PassTimer,
     Rewrite,
+    copy_graph_module,
     run_rewrites,
 )
 from dpcs_compiler.plan import Plan
@@ -210,7 +210,7 @@ class GraphJob:
         """Apply a stage's rewrites to a copy of `gm`: the original stays intact for the fallbacks."""
         if not rewrites:
             return gm
-        return run_rewrites(stage, fx.GraphModule(gm, copy.deepcopy(gm.graph)), rewrites, self.ctx)
+        return run_rewrites(stage, copy_graph_module(gm), rewrites, self.ctx)
 
     def record_timeline(self, name: str, timeline: MemoryTimeline) -> None:
         self.record.predicted_peak_bytes = timeline.peak_bytes

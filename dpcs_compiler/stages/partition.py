@@ -151,6 +151,11 @@ class JointPartitioner(CustomPartitionerFn):
             job.record.recast_parameter_nodes = recast_parameters_in_backward(joint, joint_schedule.parameters)
             forward_nodes = frozenset(n for n, phase in joint_schedule.phase.items() if phase == FORWARD)
             job.record.recomputed_upcasts = recompute_upcasts(joint, forward_nodes)
+            # With these tags, min-cut told that parameters are static inputs (free to keep for backward) can
+            # make a value again in backward from a parameter the step has written to since (a weight halved
+            # in place: its cast made from the halved value twice, tests/e2e/test_precision.py). As before
+            # dpcs kept Dynamo's metadata on its copies, no input is static here.
+            kwargs = {**kwargs, "static_lifetime_input_indices": None}
         kwargs = {**kwargs}
         kwargs.setdefault("compiler", "inductor")  # Inductor passes it; the eager path asks for the same
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
