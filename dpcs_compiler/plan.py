@@ -96,6 +96,11 @@ class Plan:
         """Each value's decision, in the order of `values` (the solver's candidate order)."""
         return tuple(v.decision for v in self.values)
 
+    @property
+    def low_precision(self) -> bool:
+        """Whether the graph runs anything below fp32: a bf16/fp16 precision or an fp8 linear."""
+        return self.precision != "fp32" or any(d.fp8 for d in self.fp8_linears)
+
     def decided(self, decision: str) -> tuple[ValueDecision, ...]:
         return tuple(v for v in self.values if v.decision == decision)
 

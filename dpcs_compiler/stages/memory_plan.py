@@ -101,7 +101,7 @@ def torch_plan_refusal(job: GraphJob) -> str | None:
         return "Inductor's schedule of torch's partition went over the budget"
     if job.options.step_context is not None:
         return "the graph is planned in a step of several graphs"
-    if job.plan.precision != "fp32" or any(d.fp8 for d in job.plan.fp8_linears):
+    if job.plan.low_precision:
         return f"the graph runs in {job.plan.precision} or fp8"
     return None
 

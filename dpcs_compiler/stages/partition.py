@@ -141,7 +141,7 @@ class JointPartitioner(CustomPartitionerFn):
         """Torch's own partition (min-cut), with dpcs's low-precision tags (joint_schedule: of `joint`, or None
         to make it when needed)."""
         job = self.job
-        if job.plan.precision != "fp32" or any(d.fp8 for d in job.plan.fp8_linears):
+        if job.plan.low_precision:
             if joint_schedule is None:
                 joint_schedule = Schedule.of_joint(
                     joint, num_fwd_outputs=kwargs["num_fwd_outputs"], parameter_indices=job.parameter_indices
@@ -156,8 +156,7 @@ class JointPartitioner(CustomPartitionerFn):
             # in place: its cast made from the halved value twice, tests/e2e/test_precision.py). As before
             # dpcs kept Dynamo's metadata on its copies, no input is static here.
             kwargs = {**kwargs, "static_lifetime_input_indices": None}
-        kwargs = {**kwargs}
-        kwargs.setdefault("compiler", "inductor")  # Inductor passes it; the eager path asks for the same
+        kwargs = {"compiler": "inductor", **kwargs}  # Inductor passes it; the eager path asks for the same
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
     def step_analyses(self, forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outputs: int):
