@@ -68,10 +68,18 @@ class CompileRecord:
 
 
 _RECORDS: list[CompileRecord] = []
+_ADDED = [0]  # records ever added (`compile_count`)
+
+
+def compile_count() -> int:
+    """How many compiles have been recorded in this process (counting up, never reset): a change tells
+    that something compiled since it was read."""
+    return _ADDED[0]
 
 
 def add_record(record: CompileRecord) -> None:
     """Add a record; one for a later attempt at the same Dynamo compile replaces the discarded attempt's."""
+    _ADDED[0] += 1
     if record.compile_id is not None:
         _RECORDS[:] = [
             r for r in _RECORDS if not (r.compile_id == record.compile_id and r.attempt < record.attempt)

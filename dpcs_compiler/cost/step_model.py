@@ -9,6 +9,10 @@ planning works on its own `MemoryProblem`; this module adds the others as a `Ste
 
 - `forward_bytes` / `backward_bytes`: bytes the other graphs (and the step outside graphs) hold during this
   graph's forward / backward, added to each of its steps;
+- `backward_freed`: bytes of this graph's own inputs and outputs (its backward does not read them) that the
+  step's code has freed when its backward starts (measured: a loss's logits passed between two graphs and
+  dropped before the backward); its own problem counts them alive through its backward, so they come off
+  each of its backward steps;
 - `boundary_cap`: the most this graph may hold between its forward and its backward (its boundary level),
   held to by a zero-second step inserted there (`in_step`): what it holds there is what every later graph
   counts in its own context, so a cap chosen for the step keeps every context true.
@@ -27,7 +31,7 @@ Everything here is pure: problems and plain numbers in, contexts and peaks out; 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Hashable, Mapping, Sequence, Set
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence, Set
 
 import numpy as np
 
@@ -50,9 +54,17 @@ class StepContext:
     # Before the step's order is known, for a graph that ends at a graph break (more graphs follow while it
     # holds what it saved): hold as little as its plans within the target can (`least_held_cap`).
     hold_least: bool = False
+    backward_freed: int = 0
+    # Candidates (by name) its plans may not recompute: their recomputation would read an input or output the
+    # step frees before this graph's backward (`backward_freed` counts it freed).
+    keep_saved: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("forward_bytes", "backward_bytes"):
+        if isinstance(self.keep_saved, (str, bytes)) or not all(isinstance(n, str) for n in self.keep_saved):
+            raise ValueError(f"StepContext.keep_saved={self.keep_saved!r} is not valid; valid choices: candidate "
+                             "names, as a sequence of str")
+        object.__setattr__(self, "keep_saved", tuple(self.keep_saved))
+        for name in ("forward_bytes", "backward_bytes", "backward_freed"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"StepContext.{name}={value!r} is not valid; valid choices: bytes as an int >= 0")
@@ -61,8 +73,16 @@ class StepContext:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"StepContext.{name}={value!r} is not valid; valid choices: None or bytes as an int >= 0")
 
-    def to_json(self) -> dict[str, int | None]:
+    def to_json(self) -> dict[str, object]:
         return dataclasses.asdict(self)
+
+    def for_decisions(self, problem: MemoryProblem, decisions: Sequence[str]) -> StepContext:
+        """This context for a plan made without it (torch's own): one that recomputes a candidate of
+        `keep_saved` keeps what the step frees alive, so nothing freed is counted."""
+        keep = frozenset(self.keep_saved)
+        if keep and any(d == RECOMPUTE and c.name in keep for c, d in zip(problem.candidates, decisions)):
+            return dataclasses.replace(self, backward_freed=0, keep_saved=())
+        return self
 
     @classmethod
     def parse(cls, value: object) -> StepContext | None:
@@ -72,22 +92,26 @@ class StepContext:
             return cls(**value)
         raise ValueError(
             f"dpcs option 'step_context'={value!r} is not valid; valid choices: None, or a dict with keys "
-            "'forward_bytes', 'backward_bytes', 'boundary_cap', 'target', 'hold_least' (set by dpcs's step planner)"
+            "'forward_bytes', 'backward_bytes', 'boundary_cap', 'target', 'hold_least', 'backward_freed', "
+            "'keep_saved' (set by dpcs's step planner)"
         )
 
 
 def in_step(problem: MemoryProblem, context: StepContext | None, target: int) -> MemoryProblem:
-    """`problem` inside its step: the context's bytes added to each forward / backward step, and, with a
+    """`problem` inside its step: the context's bytes added to each forward / backward step (less, in the
+    backward, `backward_freed`), and, with a
     boundary cap, a zero-second step between forward and backward whose bytes are the graph's boundary level
     plus `target - cap` (so a plan within `target` holds at most the cap there). The boundary step is the last
     forward step; backward steps move one on."""
     if context is None:
         return problem
     start = problem.backward_start
-    forward, backward = context.forward_bytes, context.backward_bytes
+    forward, backward = context.forward_bytes, context.backward_bytes - context.backward_freed
     extra = np.where(np.arange(problem.steps) < start, forward, backward).astype(np.int64)
     base, before, seconds = problem.base_bytes + extra, problem.base_before_bytes + extra, problem.step_seconds
     candidates = problem.candidates
+    if context.keep_saved:
+        candidates = kept_saved(problem, context.keep_saved).candidates
     if context.boundary_cap is not None:
         level = boundary_base(problem) + max(0, target - context.boundary_cap)
         base = np.insert(base, start, level)
@@ -100,6 +124,15 @@ def in_step(problem: MemoryProblem, context: StepContext | None, target: int) ->
     return MemoryProblem(
         base_bytes=base, base_before_bytes=before, step_seconds=seconds, backward_start=start, candidates=candidates
     )
+
+
+def kept_saved(problem: MemoryProblem, names: Iterable[str]) -> MemoryProblem:
+    """`problem` with the candidates named in `names` not recomputed (`StepContext.keep_saved`)."""
+    keep = frozenset(names)
+    if not keep:
+        return problem
+    return dataclasses.replace(problem, candidates=tuple(
+        dataclasses.replace(c, can_recompute=False) if c.name in keep else c for c in problem.candidates))
 
 
 def boundary_base(problem: MemoryProblem) -> int:
@@ -131,7 +164,8 @@ def least_held_cap(problem: MemoryProblem, context: StepContext, target: int, so
     """The lowest cap on what `problem` holds between its forward and backward under which it has a plan within
     `target` in `context`, tried at LEVEL_GRID + 1 levels of its range, lowest first (holding least is not
     always feasible: recomputing everything raises backward peaks); None if no level has a plan."""
-    low = boundary_level(problem, lowest_boundary_decisions(problem))
+    kept = kept_saved(problem, context.keep_saved)
+    low = boundary_level(kept, lowest_boundary_decisions(kept))
     high = boundary_level(problem, problem.all_saved())
     for i in range(LEVEL_GRID + 1):
         cap = int(low + i / LEVEL_GRID * (high - low))
@@ -232,6 +266,16 @@ class StepShape:
     # Of `outside_bytes`: gradients from earlier micro-batches that this step's gradients are added into (both
     # alive while its backward runs, one of them once it ended).
     accumulated_bytes: int = 0
+    # Per call (empty: none): bytes of its inputs and outputs that its backward does not read and that were freed
+    # when its backward started (measured; `StepContext.backward_freed`): its graph's problem counts them there.
+    call_backward_freed: tuple[int, ...] = ()
+    # Per call (empty: none): the candidates of its graph whose recomputation would read what it freed (kept
+    # alive for the backward then): held to be saved or offloaded while its context counts those bytes freed.
+    call_keep_saved: tuple[frozenset[str], ...] = ()
+    # Per call (empty: none), alive during its forward / its backward besides: other calls' inputs and outputs
+    # that no graph counts as its holdings (a graph's output the training loop keeps; measured).
+    call_forward_others: tuple[int, ...] = ()
+    call_backward_others: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.offload_blocks is not None and (
@@ -240,7 +284,8 @@ class StepShape:
                 or len(self.call_gradient_bytes) != len(self.instances)):
             raise ValueError("StepShape.offload_blocks needs per-call uses, parameter and gradient bytes")
         for name in ("inputs_held_before", "held_twice", "call_parameter_bytes", "call_gradient_bytes",
-                     "call_forward_extra_bytes", "call_backward_extra_bytes"):
+                     "call_forward_extra_bytes", "call_backward_extra_bytes", "call_backward_freed",
+                     "call_keep_saved", "call_forward_others", "call_backward_others"):
             if getattr(self, name) and len(getattr(self, name)) != len(self.instances):
                 raise ValueError(f"StepShape.{name} needs one entry per call")
 
@@ -336,7 +381,7 @@ class StepPeak:
 
 def _calls(shapes: Sequence[StepShape], graphs: Mapping[str, GraphStep], held: Mapping[str, int]):
     """Per call of every shape: (shape index, call index, graph key, what the others hold in its forward,
-    what they hold in its backward)."""
+    what they hold in its backward, what of its own the step freed before its backward)."""
     for s, shape in enumerate(shapes):
         n = len(shape.instances)
         before = shape.inputs_held_before or (0,) * n
@@ -346,11 +391,14 @@ def _calls(shapes: Sequence[StepShape], graphs: Mapping[str, GraphStep], held: M
         gradients = shape.call_gradient_bytes or tuple(graphs[k].gradient_bytes for k in shape.instances)
         ahead = shape.call_forward_extra_bytes or (0,) * n
         behind = shape.call_backward_extra_bytes or (0,) * n
+        freed = shape.call_backward_freed or (0,) * n
+        ahead = [x + y for x, y in zip(ahead, shape.call_forward_others or (0,) * n)]
+        behind = [x + y for x, y in zip(behind, shape.call_backward_others or (0,) * n)]
         for i, key in enumerate(shape.instances):
             common = max(0, shape.parameter_bytes - own_parameters[i]) + shape.outside_bytes
             earlier = max(0, sum(kept[:i]) - before[i])  # its inputs held by an earlier call: counted as its own
             later = sum(gradients[i + 1 :]) + shape.backward_extra_bytes + behind[i]
-            yield s, i, key, common + earlier + shape.forward_extra_bytes + ahead[i], common + earlier + later
+            yield s, i, key, common + earlier + shape.forward_extra_bytes + ahead[i], common + earlier + later, freed[i]
 
 
 def contexts_for(
@@ -360,14 +408,23 @@ def contexts_for(
     caps: Mapping[str, int | None] | None = None,
 ) -> dict[str, StepContext]:
     """Each graph's context: the largest over its calls (in every step shape seen) of what the others hold
-    during its forward and its backward, given what each graph holds between its phases (`held`)."""
+    during its forward and its backward, given what each graph holds between its phases (`held`); in the
+    backward net of what the step freed of its own (below zero: `backward_freed`)."""
     forward: dict[str, int] = {}
     backward: dict[str, int] = {}
-    for _, _, key, during_forward, during_backward in _calls(shapes, graphs, held):
+    net: dict[str, int] = {}  # the largest of what the others hold less what it freed, over its calls
+    for _, _, key, during_forward, during_backward, freed in _calls(shapes, graphs, held):
         forward[key] = max(forward.get(key, 0), during_forward)
         backward[key] = max(backward.get(key, 0), during_backward)
+        net[key] = max(net[key], during_backward - freed) if key in net else during_backward - freed
+    keep: dict[str, set[str]] = {}
+    for shape in shapes:
+        for key, names in zip(shape.instances, shape.call_keep_saved):
+            keep.setdefault(key, set()).update(names)
     caps = caps or {}
-    return {k: StepContext(forward[k], backward[k], caps.get(k)) for k in forward}
+    return {k: StepContext(forward[k], backward[k], caps.get(k), backward_freed=backward[k] - net[k],
+                           keep_saved=tuple(sorted(keep.get(k, ()))) if backward[k] > net[k] else ())
+            for k in forward}
 
 
 def step_peak(
@@ -381,12 +438,12 @@ def step_peak(
     and in the optimizer step that follows a shape, what the step holds at its end plus `optimizer_bytes`."""
     held = {k: graphs[k].held(levels[k].boundary) for k in levels}
     best: StepPeak | None = None
-    for s, i, key, during_forward, during_backward in _calls(shapes, graphs, held):
+    for s, i, key, during_forward, during_backward, freed in _calls(shapes, graphs, held):
         lv = levels[key]
         last = i == len(shapes[s].instances) - 1
         for phase, own, at, extra in (
             ("forward", lv.forward_peak, lv.forward_peak_step, during_forward),
-            ("backward", lv.backward_peak, lv.backward_peak_step, during_backward),
+            ("backward", lv.backward_peak, lv.backward_peak_step, during_backward - freed),
             (TURN, lv.boundary, graphs[key].problem.backward_start, during_forward + shapes[s].turn_bytes),
         ):
             if phase == TURN and not last or phase not in phases:
@@ -527,7 +584,13 @@ class _LevelSearch:
 
     def __init__(self, shapes: Sequence[StepShape], graphs: Mapping[str, GraphStep], solver: Solver) -> None:
         self.shapes, self.graphs, self.solver = shapes, graphs, solver
-        self.low = {k: boundary_level(g.problem, lowest_boundary_decisions(g.problem)) for k, g in graphs.items()}
+        # The lowest each can hold, with what it must keep saved for what the step frees (`keep_saved`).
+        keep: dict[str, set[str]] = {}
+        for shape in shapes:
+            for key, names in zip(shape.instances, shape.call_keep_saved):
+                keep.setdefault(key, set()).update(names)
+        kept = {k: kept_saved(g.problem, keep.get(k, ())) for k, g in graphs.items()}
+        self.low = {k: boundary_level(p, lowest_boundary_decisions(p)) for k, p in kept.items()}
         self.high = {k: boundary_level(g.problem, g.problem.all_saved()) for k, g in graphs.items()}
         self.solves = 0
         self.memo: dict[tuple, tuple[tuple[str, ...], bool]] = {}  # graphs repeated in a step: equal problems

@@ -2,9 +2,11 @@
 
 A graph compiled with a memory_budget (and budget_scope "step", the default) takes part: its dispatcher hands
 its calls to the `StepRecorder` while the recorder watches. For each forward call that builds an autograd
-graph, the recorder notes the graph, its parameters (by storage, counted once for the step) and the
-gradients already in `.grad` (earlier micro-batches), and puts a pre-hook on the call's backward node that
-queues an end-of-backward callback. When every such backward has ended, one step is complete: its shape is
+graph, the recorder notes the graph, its parameters (by storage, counted once for the step), the
+gradients already in `.grad` (earlier micro-batches) and weak references to the storages of its inputs and
+outputs its backward does not read, and puts a pre-hook on the call's backward node that reads which of those
+the step has freed (and what other calls left alive that no graph counts) and queues an end-of-backward
+callback. When every such backward has ended, one step is complete: its shape is
 the graphs in forward call order.
 
 The first step runs first plans (`GraphDispatcher`): a graph compiled in the middle of a step counts what the
@@ -31,6 +33,7 @@ process started are all planned for, so steps that alternate between branches ho
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import json
 import logging
@@ -42,6 +45,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils._pytree as pytree
+
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from dpcs_compiler import rank_agreement
 from dpcs_compiler.cost.step_model import (
@@ -59,8 +64,9 @@ from dpcs_compiler.cost.step_model import (
     with_offloaded,
 )
 from dpcs_compiler.debug.render import format_bytes
+from dpcs_compiler.passes.analysis.planning import Freeable, StepSharing
 from dpcs_compiler.measure import BEFORE_PROFILING, CpuMemoryProfile, optimizer_state_bytes
-from dpcs_compiler.report import _ON_CLEAR, STEPS_FILE, StepRecord, add_step_record
+from dpcs_compiler.report import _ON_CLEAR, STEPS_FILE, StepRecord, add_step_record, compile_count
 from dpcs_compiler.cost.memory_model import MemoryProblem, plan_seconds
 from dpcs_compiler.cost.model_state import (
     StateLever,
@@ -128,6 +134,40 @@ class _Call:
     blocks: tuple[tuple[int, int], ...] = ()
     ahead: frozenset[tuple[int, int]] = frozenset()
     behind: frozenset[tuple[int, int]] = frozenset()
+    # Its inputs and outputs its backward does not read (`StepSharing.freeable`), each with a weak reference to
+    # its storage; and the bytes of those freed when its backward started, with the candidates that must not be
+    # recomputed for them to stay free (`StepShape.call_backward_freed`, `call_keep_saved`).
+    droppable: tuple[tuple[StorageWeakRef, int, Freeable], ...] = ()  # (reference, storage pointer, buffer)
+    freed: int = 0
+    keep_saved: frozenset[str] = frozenset()
+    # The other calls' droppable buffers alive when its forward starts and when its backward starts: bytes no
+    # graph counts there (each graph's holdings leave them out), such as the last graph's output a training loop
+    # keeps through the backward (`StepShape.call_forward_others`, `call_backward_others`).
+    forward_others: int = 0
+    backward_others: int = 0
+
+    def backward_starts(self, calls: Sequence[_Call], collect: bool) -> None:
+        """Its backward starts: read which of its droppable buffers the step has freed, and what the others'
+        still hold; with `collect`, after a garbage collection if some are alive (a step that compiled graphs
+        leaves reference cycles)."""
+        if collect and not all(ref.expired() for c in calls for ref, _, _ in c.droppable):
+            gc.collect()
+        index = next((i for i, c in enumerate(calls) if c is self), len(calls))
+        # One another call's backward reads is freed or not as that call's plan saves it or recomputes it: not
+        # counted (the other call counts it while it holds it).
+        held_elsewhere = {p for c in calls if c is not self for p in c.held}
+        gone = [(p, f) for ref, p, f in self.droppable if ref.expired() and p not in held_elsewhere]
+        self.freed = sum(f.nbytes for _, f in gone)
+        self.keep_saved = self.keep_saved | {name for _, f in gone for name in f.readers}
+        # One the calls whose backwards are still to run could keep alive by recomputing from it: they keep
+        # what would read it saved too.
+        freed = {p for p, _ in gone}
+        for c in calls[:index]:
+            c.keep_saved = c.keep_saved | {name for _, p, f in c.droppable if p in freed for name in f.readers}
+        # Calls before it run their backwards after it: what they hold for them is counted as theirs; its own
+        # inputs and outputs, as its own.
+        self.backward_others = _alive_elsewhere(calls, self, {p for c in calls[:index] for p in c.held}
+                                                | {p for _, p, _ in self.droppable} | set(self.inputs) | set(self.held))
 
 
 @dataclasses.dataclass
@@ -159,6 +199,7 @@ class StepRecorder:
                 meter.discard()  # a measurement under way or waiting is dropped (no collective here)
         self.participants: weakref.WeakSet[GraphDispatcher] = weakref.WeakSet()
         self.calls: list[_Call] = []
+        self.compiles = compile_count()  # when the step under way started (graphs compiled in it: `_Call`)
         self.glanced: list[str] = []  # graph names called since watching stopped (`glance`)
         self.pending = 0
         self.partial = False
@@ -233,6 +274,7 @@ class StepRecorder:
 
     def _reset(self) -> None:
         self.calls, self.pending = [], 0
+        self.compiles = compile_count()
         self.optimizer_key, self.optimizer_seen = None, {}
 
     def call(self, dispatcher: GraphDispatcher, args: Sequence[Any]) -> Any:
@@ -292,6 +334,8 @@ class StepRecorder:
             inputs[storage.data_ptr()] = storage.nbytes()
             if i in held_inputs:
                 held[storage.data_ptr()] = storage.nbytes()
+        # What the earlier calls left that no graph counts while this one runs (not its own inputs: its own).
+        forward_others = _alive_elsewhere(self.calls, None, {p for c in self.calls for p in c.held} | set(inputs))
         # The optimizers of this step's parameters: their state is alive through it.
         found = _optimizers_of(parameters, [p for po, m in used.values() for p in po.params[m]])
         if not self.calls:
@@ -317,17 +361,21 @@ class StepRecorder:
             self.meter, self.measuring = None, False
         for name, (po, module) in used.items():
             self.blocks[name] = _block(po, module)
-        self.calls.append(
-            _Call(dispatcher, parameters, gradients, inputs, held, outside, dispatcher.bucket, own_gradients, gathered,
-                  fsdp, tuple(used), *(frozenset((id(po), id(n)) for po, m in used.values()
-                                                 for n in po.neighbours(m, direction)) for direction in (+1, -1)))
-        )
+        call = _Call(dispatcher, parameters, gradients, inputs, held, outside, dispatcher.bucket, own_gradients,
+                     gathered, fsdp, tuple(used), *(frozenset((id(po), id(n)) for po, m in used.values()
+                                                          for n in po.neighbours(m, direction)) for direction in (+1, -1)),
+                     droppable=_droppable(sharing, args, outputs, held, parameters), forward_others=forward_others)
+        self.calls.append(call)
         self.pending += 1
         if self.meter is not None:
             self.meter.mark(_Meter.FORWARD_END)
         # A pre-hook, not a hook: the engine keeps a node's gradient inputs alive through the node for its hooks,
         # which would hold the graph's incoming gradient for all its backward (a watched step would peak higher).
-        node.register_prehook(self._backward_starts)
+        def backward_starts(*_: Any) -> None:
+            call.backward_starts(self.calls, collect=self.compiles != compile_count())
+            self._backward_starts()
+
+        node.register_prehook(backward_starts)
         return out
 
     def _backward_done(self) -> None:
@@ -579,6 +627,10 @@ class StepRecorder:
             held_twice=tuple(held_twice),
             call_parameter_bytes=tuple(sum(c.parameters.values()) for c in calls),
             call_gradient_bytes=tuple(c.own_gradients for c in calls),
+            call_backward_freed=tuple(c.freed for c in calls),
+            call_keep_saved=tuple(c.keep_saved for c in calls),
+            call_forward_others=tuple(c.forward_others for c in calls),
+            call_backward_others=tuple(c.backward_others for c in calls),
             # FSDP2 works ahead of the block that runs: the next block's gather in its forward; in its backward,
             # the next gather, the reduce-scatter input of the gradients just made and the one before it, not
             # yet waited for (measured on gloo: one to three blocks' worth, by the ranks' timing).
@@ -956,6 +1008,37 @@ def _ddp_buckets() -> tuple[dict[int, int], bool]:
     return {id(ddp): nbytes}, bool(getattr(ddp, "gradient_as_bucket_view", False))
 
 
+def _droppable(sharing: StepSharing | None, args: Sequence[Any], outputs: Sequence[torch.Tensor],
+               held: dict[int, int], parameters: dict[int, int]) -> tuple[tuple[StorageWeakRef, Freeable], ...]:
+    """Weak references to the storages of a call's droppable buffers (`StepSharing.freeable`): one of its
+    tensors at the positions that point into each. Those a backward or a parameter holds stay alive anyway and
+    are left out."""
+    found = []
+    for f in sharing.freeable if sharing is not None else ():
+        tensors = [args[i] for i in f.inputs if i < len(args)] + [outputs[i] for i in f.outputs if i < len(outputs)]
+        t = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in held and storage.data_ptr() not in parameters and storage.nbytes() > 0:
+            found.append((StorageWeakRef(storage), storage.data_ptr(), f))
+    return tuple(found)
+
+
+def _alive_elsewhere(calls: Sequence[_Call], this: _Call | None, counted: set[int]) -> int:
+    """Bytes of the droppable buffers of `calls` (other than `this`) still alive, each storage once, those in
+    `counted` (held by a graph, or the running call's own) left out."""
+    seen, total = set(counted), 0
+    for c in calls:
+        if c is this:
+            continue
+        for ref, ptr, f in c.droppable:
+            if ptr not in seen and not ref.expired():
+                seen.add(ptr)
+                total += f.nbytes
+    return total
+
+
 def _pieces(orders: set[tuple[str, ...]], first: str) -> set[tuple[str, ...]]:
     """The planned orders of calls cut before each call of `first`: what an unwatched step shows between two
     calls of that graph (a graph called once per layer starts many pieces of one step)."""
@@ -1017,12 +1100,27 @@ def _covering(a: StepShape, b: StepShape) -> StepShape:
         backward_extra_bytes=max(a.backward_extra_bytes, b.backward_extra_bytes),
         call_forward_extra_bytes=most(a.call_forward_extra_bytes, b.call_forward_extra_bytes),
         call_backward_extra_bytes=most(a.call_backward_extra_bytes, b.call_backward_extra_bytes),
+        # per call the step that freed less before its backward, with what that needs kept saved (a plan that
+        # recomputes from an input keeps it alive: what is freed is seen only under plans that do not)
+        **_least_freed(a, b),
+        call_forward_others=most(a.call_forward_others, b.call_forward_others),
+        call_backward_others=most(a.call_backward_others, b.call_backward_others),
         turn_bytes=max(a.turn_bytes, b.turn_bytes),
         offload_blocks=(dataclasses.replace(b.offload_blocks, held_gradient_bytes=most(
             a.offload_blocks.held_gradient_bytes, b.offload_blocks.held_gradient_bytes))
             if a.offload_blocks and b.offload_blocks and a.offload_blocks.names == b.offload_blocks.names
             else b.offload_blocks),
     )
+
+
+def _least_freed(a: StepShape, b: StepShape) -> dict[str, tuple]:
+    if not (a.call_backward_freed and b.call_backward_freed):
+        return {"call_backward_freed": (), "call_keep_saved": ()}
+    keep_a = a.call_keep_saved or (frozenset(),) * len(a.instances)
+    keep_b = b.call_keep_saved or (frozenset(),) * len(b.instances)
+    pairs = [(fa, ka) if fa <= fb else (fb, kb)
+             for fa, fb, ka, kb in zip(a.call_backward_freed, b.call_backward_freed, keep_a, keep_b)]
+    return {"call_backward_freed": tuple(f for f, _ in pairs), "call_keep_saved": tuple(k for _, k in pairs)}
 
 
 def _node_name(dispatcher: GraphDispatcher, step: int) -> str | None:

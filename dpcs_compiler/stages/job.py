@@ -271,10 +271,13 @@ class GraphJob:
             raise BudgetInfeasibleError(f"{message}; raise the budget, or pass on_infeasible='best' to compile it")
         warnings.warn(f"{message}; compiling it (on_infeasible='best')", stacklevel=2)
 
-    def in_step(self, problem: MemoryProblem, *, capped: bool) -> MemoryProblem:
+    def in_step(self, problem: MemoryProblem, *, capped: bool, decisions: Sequence[str] | None = None) -> MemoryProblem:
         """`problem` inside its training step (`options.step_context`): the other graphs' bytes added, and with
-        `capped`, the step's cap on what this graph holds between its forward and backward."""
+        `capped`, the step's cap on what this graph holds between its forward and backward; as it holds for
+        `decisions` (default: the plan's; `StepContext.for_decisions`)."""
         context = self.options.step_context
+        if context is not None:
+            context = context.for_decisions(problem, self.plan.decisions if decisions is None else decisions)
         if context is not None and not capped:
             context = dataclasses.replace(context, boundary_cap=None)
         return in_step(problem, context, self.target)

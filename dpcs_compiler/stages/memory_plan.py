@@ -116,6 +116,7 @@ def _torch_solution(
     """Torch's partition as the plan, if it fits: held to the budget itself, its cap between phases included
     (or to the step plan's target when no plan of the step fits it); None if it does not fit."""
     decisions, excess = kept.decisions, kept.excess
+    context = context.for_decisions(problem, decisions) if context is not None else None  # made without it
     limit = context.target if context is not None and context.target is not None else torch_plan_limit(budget)
     # Its prediction is its partitioned graphs' own (the model of its decisions and what the graphs hold
     # beyond or below it); what Inductor's schedule holds besides is read when it is compiled.
@@ -210,7 +211,8 @@ def plan_memory_budget(
             solution = solve_or_measure(held, target)
             # The prediction: this graph's peak in its step (the cap is a bound, not bytes alive).
             solution = dataclasses.replace(
-                solution, peak_bytes=plan_memory(job.in_step(problem, capped=False), solution.decisions).peak_bytes
+                solution, peak_bytes=plan_memory(job.in_step(problem, capped=False, decisions=solution.decisions),
+                                                 solution.decisions).peak_bytes
             )
     if has_symbolic_shapes(joint):
         # Planned for the sizes the shape symbols are evaluated at: the traced ones, or the size bucket's a
@@ -227,7 +229,7 @@ def plan_memory_budget(
         )
         for i, (c, d) in enumerate(zip(planning.candidates, decisions))
     )
-    peak_step = plan_memory(job.in_step(problem, capped=False), decisions).peak_step
+    peak_step = plan_memory(job.in_step(problem, capped=False, decisions=decisions), decisions).peak_step
     ctx.plan = dataclasses.replace(
         job.plan.with_values(values),
         budget_bytes=budget,

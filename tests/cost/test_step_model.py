@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import numpy as np
 import pytest
 
@@ -273,3 +276,58 @@ def test_a_step_of_one_call_is_its_graphs_own_plan_even_over_the_budget():
     p = problem()
     plan = plan_step([StepShape(("A",), 0)], {"A": graph("A", p, target=50)}, {"A": (SAVE, SAVE)}, solver)
     assert plan.level is None and not plan.feasible and plan.solves == 0 and plan.contexts == {"A": None}
+
+
+def test_what_the_step_frees_before_a_backward_comes_off_its_backward_steps_and_keeps_its_readers_saved():
+    p = problem()
+    freed = in_step(p, StepContext(forward_bytes=7, backward_bytes=11, backward_freed=20), 1000)
+    np.testing.assert_array_equal(freed.base_bytes, [107] * 5 + [91] * 5)
+    kept = in_step(p, StepContext(keep_saved=("a",)), 1000)
+    assert [c.can_recompute for c in kept.candidates] == [False, True]
+    # "a" read by the forward only at its first step: a plan within 150 B must recompute it; kept, none fits.
+    q = MemoryProblem(base_bytes=np.full(10, 100), step_seconds=np.ones(10), backward_start=5,
+                      candidates=(Candidate("a", 50, 0, 0, 8, 9, recompute_seconds=1.0),
+                                  Candidate("b", 30, 1, 1, 6, 7, recompute_seconds=2.0)))
+    assert solve(q, 150).decisions == (RECOMPUTE, SAVE)
+    held = in_step(q, StepContext(keep_saved=("a",)), 1000)
+    assert not solve(held, 150).feasible and solve(held, 180).decisions[0] == SAVE
+
+
+def test_a_context_counts_nothing_freed_for_a_plan_that_recomputes_from_what_was_freed():
+    p = problem()
+    context = StepContext(backward_bytes=50, backward_freed=30, keep_saved=("a",))
+    assert context.for_decisions(p, (SAVE, RECOMPUTE)) is context
+    assert context.for_decisions(p, (RECOMPUTE, SAVE)) == StepContext(backward_bytes=50)
+    assert StepContext.parse(json.loads(json.dumps(context.to_json()))) == context  # the compile option
+    with pytest.raises(ValueError, match="keep_saved"):
+        StepContext(keep_saved="a")
+    with pytest.raises(ValueError, match="backward_freed"):
+        StepContext(backward_freed=-1)
+
+
+def test_contexts_net_what_each_call_freed_before_its_backward():
+    p = problem()
+    graphs = {k: graph(k, p, target=10_000, parameters=40, shared=60, gradients=40) for k in "AB"}
+    shape = StepShape(instances=("A", "B"), parameter_bytes=80, call_backward_freed=(30, 0),
+                      call_keep_saved=(frozenset({"a"}), frozenset()))
+    contexts = contexts_for([shape], graphs, {"A": 70, "B": 20})
+    # A: B's parameters around it, and in its backward B's gradients; its own 30 B freed by then.
+    assert contexts["A"] == StepContext(forward_bytes=40, backward_bytes=80, backward_freed=30, keep_saved=("a",))
+    assert contexts["B"] == StepContext(forward_bytes=40 + 70, backward_bytes=40 + 70)
+    levels = {k: GraphLevels.of(p, (SAVE, SAVE)) for k in "AB"}
+    unfreed = dataclasses.replace(shape, call_backward_freed=(), call_keep_saved=())
+    backward = step_peak([shape], graphs, levels, ("backward",))
+    assert (backward.graph, backward.bytes) == ("B", 180 + 40 + (180 - 60))  # A holds its boundary less shared
+    alone = StepShape(instances=("A",), parameter_bytes=40, call_backward_freed=(30,))
+    assert step_peak([alone], graphs, levels, ("backward",)).bytes == 180 - 30
+    assert step_peak([dataclasses.replace(alone, call_backward_freed=())], graphs, levels, ("backward",)).bytes == 180
+    # Other calls' inputs and outputs alive that no graph counts (measured) are added in their phase.
+    seen = dataclasses.replace(unfreed, call_forward_others=(5, 0), call_backward_others=(0, 7))
+    contexts = contexts_for([seen], graphs, {"A": 70, "B": 20})
+    assert (contexts["A"].forward_bytes, contexts["B"].backward_bytes) == (40 + 5, 40 + 70 + 7)
+    # One graph called twice, freeing 30 B and 10 B: its context is its more demanding call's (the second, which
+    # runs while the first holds 70 B), told as what the others hold at most less what that leaves freed.
+    twice = StepShape(instances=("A", "A"), parameter_bytes=40, call_backward_freed=(30, 10))
+    (context,) = contexts_for([twice], graphs, {"A": 70}).values()
+    assert context.backward_bytes - context.backward_freed == max(40 - 30, 70 - 10)
+    assert context.backward_bytes == 70

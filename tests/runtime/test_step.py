@@ -139,3 +139,20 @@ def test_a_step_in_an_order_not_planned_for_is_watched_again():
     assert STEPS.plans == plans + 1
     train(model, compiled, x, 4)
     assert not any(d._watch for d in STEPS.participants) and STEPS.plans == plans + 1  # planned once, then quiet
+
+
+def test_two_steps_of_one_shape_count_per_call_the_one_that_freed_less_with_what_it_kept_saved():
+    """What a step frees before a call's backward depends on the plan that ran (one that recomputes from an
+    input keeps it alive): the shape keeps, per call, the smaller figure with the candidates it was seen under."""
+    from dpcs_compiler.runtime.step import _covering
+
+    a = StepShape(instances=("g", "h"), parameter_bytes=100, call_backward_freed=(10, 5),
+                  call_keep_saved=(frozenset({"x"}), frozenset()))
+    b = StepShape(instances=("g", "h"), parameter_bytes=100, call_backward_freed=(20, 0),
+                  call_keep_saved=(frozenset({"y"}), frozenset({"z"})))
+    covered = _covering(a, b)
+    assert covered.call_backward_freed == (10, 0)
+    assert covered.call_keep_saved == (frozenset({"x"}), frozenset({"z"}))
+    assert _covering(covered, a) == covered  # a step like one already seen changes nothing (no re-plan)
+    unseen = StepShape(instances=("g", "h"), parameter_bytes=100)  # a step that could not tell: nothing freed
+    assert _covering(a, unseen).call_backward_freed == ()

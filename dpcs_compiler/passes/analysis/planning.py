@@ -303,6 +303,23 @@ class StepSharing:
     held_outputs: tuple[int, ...] = ()
     # (schedule step that makes it, bytes) of each parameter gradient its backward returns, in step order.
     gradient_steps: tuple[tuple[int, int], ...] = ()
+    # The input and output buffers its backward does not read, which the step's code may free before the
+    # backward (a loss's logits between two graphs): the problem counts them alive to the step's end.
+    freeable: tuple[Freeable, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Freeable:
+    """One buffer of a graph's inputs or outputs that its backward does not read.
+
+    nbytes: what the problem counts for it; inputs / outputs: the positions of the graph's (non-parameter)
+    inputs and of its forward outputs that point into it; readers: the candidates whose recomputation reads
+    it (a plan that recomputes one keeps it alive for the backward)."""
+
+    nbytes: int
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    readers: tuple[str, ...]
 
 
 def step_sharing(planning: PlanningGraph, num_fwd_outputs: int) -> StepSharing:
@@ -320,6 +337,7 @@ def step_sharing(planning: PlanningGraph, num_fwd_outputs: int) -> StepSharing:
         )
 
     parameters = shared = 0
+    freed_buffers: list[Buffer] = []
     for b in live.buffers:
         category = categories[b]
         if category == "parameter":
@@ -327,6 +345,7 @@ def step_sharing(planning: PlanningGraph, num_fwd_outputs: int) -> StepSharing:
             shared += live.hint(b)
         elif category in ("input", "output") and b.producer not in schedule.late_input_set and not read_by_backward(b):
             shared += live.hint(b)
+            freed_buffers.append(b)
     gradients = 0
     made: list[tuple[int, int]] = []
     index = {n: i for i, n in enumerate(schedule.nodes)}
@@ -344,6 +363,18 @@ def step_sharing(planning: PlanningGraph, num_fwd_outputs: int) -> StepSharing:
     def held(node: object) -> bool:
         return isinstance(node, fx.Node) and any(read_by_backward(b) for b in live.references.get(node, ()))
 
+    # Buffers each candidate's recomputation reads (the graph's inputs among them), for `Freeable.readers`.
+    reads = [(c.holder.name, {b for n in c.recompute_nodes for a in n.all_input_nodes for b in live.references.get(a, ())})
+             for c in planning.candidates]
+    freeable = []
+    for b in freed_buffers:
+        inputs = tuple(i for i, p in enumerate(primals) if p not in schedule.parameters
+                       and b in live.references.get(p, ()))
+        outs = tuple(i for i, o in enumerate(outputs[:num_fwd_outputs]) if isinstance(o, fx.Node)
+                     and b in live.references.get(schedule.source(o), ()))
+        if inputs or outs:
+            freeable.append(Freeable(live.hint(b), inputs, outs, tuple(name for name, r in reads if b in r)))
+
     return StepSharing(
         parameter_bytes=parameters,
         shared_bytes=shared,
@@ -351,4 +382,5 @@ def step_sharing(planning: PlanningGraph, num_fwd_outputs: int) -> StepSharing:
         held_inputs=tuple(i for i, p in enumerate(primals) if p not in schedule.parameters and held(p)),
         held_outputs=tuple(i for i, o in enumerate(outputs[:num_fwd_outputs]) if held(o)),
         gradient_steps=tuple(sorted(made)),
+        freeable=tuple(freeable),
     )

@@ -9,7 +9,7 @@ from training_graphs import trace_module_training, trace_training
 from dpcs_compiler.cost.memory_model import SAVE, plan_memory
 from dpcs_compiler.models import workload
 from dpcs_compiler.passes.analysis import memory_timeline
-from dpcs_compiler.passes.analysis.planning import RUNTIME_ALLOWANCE_BYTES, planning_graph, planning_schedule
+from dpcs_compiler.passes.analysis.planning import RUNTIME_ALLOWANCE_BYTES, planning_graph, planning_schedule, step_sharing
 from dpcs_compiler.passes.infra import AnalysisCache
 
 ROWS, D = 512, 256
@@ -117,3 +117,28 @@ def test_recomputations_that_would_outlive_their_inputs_are_ruled_out(monkeypatc
         assert candidate.can_recompute == (not planning.candidates[i].random and i not in late)
         read = any(i in c.recompute_inputs for c in problem.candidates)
         assert candidate.can_offload == (not read)
+
+
+def cross_entropy_step(logits, target):
+    return -(torch.log_softmax(logits, -1) * target).sum()
+
+
+def test_the_inputs_and_outputs_a_backward_does_not_read_are_freeable_with_the_recomputations_that_read_them():
+    """A loss graph after a graph break: its logits input is read by no backward node (the log-softmax's
+    backward reads its output), only by the recomputation of that output; the target is read by the backward;
+    the loss it returns is read by nothing."""
+    logits = torch.randn(ROWS, D, requires_grad=True)
+    graphs = trace_training(cross_entropy_step, logits, torch.randn(ROWS, D))
+    planning, _ = planning_of(graphs)
+    sharing = step_sharing(planning, graphs.num_fwd_outputs)
+    assert sharing.held_inputs == (1,)
+    inputs = [f for f in sharing.freeable if f.inputs]
+    outputs = [f for f in sharing.freeable if f.outputs]
+    assert [(f.nbytes, f.inputs, f.outputs) for f in inputs] == [(F32, (0,), ())]
+    assert [(f.nbytes, f.outputs, f.readers) for f in outputs] == [(4, (0,), ())]
+    # The readers: the candidates whose recomputation starts from the logits (the log-softmax output among them).
+    (freeable,) = inputs
+    reading = {c.holder.name for c in planning.candidates
+               if any(a.name == "primals_1" for n in c.recompute_nodes for a in n.all_input_nodes)}
+    assert reading and set(freeable.readers) == reading
+    assert sharing.shared_bytes == F32 + 4  # what the step's other graphs do not count as this one's holdings
