@@ -153,9 +153,9 @@ class _Call:
         if collect and not all(ref.expired() for c in calls for ref, _, _ in c.droppable):
             gc.collect()
         index = next((i for i, c in enumerate(calls) if c is self), len(calls))
-        # One another call's backward reads is freed or not as that call's plan saves it or recomputes it: not
-        # counted (the other call counts it while it holds it).
-        held_elsewhere = {p for c in calls if c is not self for p in c.held}
+        # One a call whose backward is still to run reads is freed or not as that call's plan saves it or
+        # recomputes it: not counted (that call counts it while it holds it).
+        held_elsewhere = {p for c in calls[:index] for p in c.held}
         gone = [(p, f) for ref, p, f in self.droppable if ref.expired() and p not in held_elsewhere]
         self.freed = sum(f.nbytes for _, f in gone)
         self.keep_saved = self.keep_saved | {name for _, f in gone for name in f.readers}
@@ -199,7 +199,7 @@ class StepRecorder:
                 meter.discard()  # a measurement under way or waiting is dropped (no collective here)
         self.participants: weakref.WeakSet[GraphDispatcher] = weakref.WeakSet()
         self.calls: list[_Call] = []
-        self.compiles = compile_count()  # when the step under way started (graphs compiled in it: `_Call`)
+        self.compiles = compile_count()  # read at the last step end or garbage collection (`_Call.backward_starts`)
         self.glanced: list[str] = []  # graph names called since watching stopped (`glance`)
         self.pending = 0
         self.partial = False
@@ -372,7 +372,8 @@ class StepRecorder:
         # A pre-hook, not a hook: the engine keeps a node's gradient inputs alive through the node for its hooks,
         # which would hold the graph's incoming gradient for all its backward (a watched step would peak higher).
         def backward_starts(*_: Any) -> None:
-            call.backward_starts(self.calls, collect=self.compiles != compile_count())
+            collect, self.compiles = self.compiles != compile_count(), compile_count()  # once per compile
+            call.backward_starts(self.calls, collect=collect)
             self._backward_starts()
 
         node.register_prehook(backward_starts)

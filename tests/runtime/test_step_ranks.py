@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from dpcs_testing import run_rank_processes
+from dpcs_compiler.runtime.step import CORRECTION_MIN_BYTES, CORRECTION_MIN_FRACTION
 from step_scenarios import LayerNormStack, global_batch
 
 WORKER = Path(__file__).resolve().parent / "step_rank_worker.py"
@@ -39,11 +40,18 @@ def test_ddp_buckets_share_one_step_budget_on_every_rank(tmp_path):
     assert zero["graphs"] > 2 * 3, "DDP split the step into several graphs (own plans, then step plans)"
     for rank in (zero, one):
         print(f"measured {rank['measured_peak']} B (buckets {rank['buckets']} B), step records {rank['steps']}")
-        (record,) = rank["steps"]
-        assert record["feasible"] and record["replanned"] and len(record["calls"]) > 2
+        # The step plan, and at most one measured step beyond it: the first plan counts each piece's output
+        # freed before its backward (2 MiB each) and predicts 0.97% (512 KiB) under the measured peak, an
+        # allocation at the step's turn that no graph counts; the measured step counts it and plans again.
+        first, *corrected = rank["steps"]
+        assert len(corrected) <= 1 and all(not r["replanned"] for r in corrected)
+        record = rank["steps"][-1]
+        assert first["feasible"] and first["replanned"] and len(first["calls"]) > 2
         assert record["outside_bytes"] >= rank["buckets"]  # DDP's buckets counted as the step's
         assert rank["measured_peak"] <= DDP_BUDGET
-        assert rank["measured_peak"] <= record["predicted_peak_bytes"] <= 1.05 * rank["measured_peak"]
+        # Within the correction tolerance below (a measured step that close is not planned again), 5% above.
+        tolerance = max(CORRECTION_MIN_BYTES, CORRECTION_MIN_FRACTION * record["predicted_peak_bytes"])
+        assert rank["measured_peak"] - tolerance <= record["predicted_peak_bytes"] <= 1.05 * rank["measured_peak"]
     assert zero["steps"] == one["steps"] and zero["plan_hashes"] == one["plan_hashes"]
     torch.manual_seed(0)
     model = LayerNormStack()
