@@ -148,9 +148,9 @@ class _Call:
 
     def backward_starts(self, calls: Sequence[_Call], collect: bool) -> None:
         """Its backward starts: read which of its droppable buffers the step has freed, and what the others'
-        still hold; with `collect`, after a garbage collection if some are alive (a step that compiled graphs
-        leaves reference cycles)."""
-        if collect and not all(ref.expired() for c in calls for ref, _, _ in c.droppable):
+        still hold; with `collect`, after a garbage collection if outputs worth a correction are alive (a step that
+        compiled graphs leaves reference cycles, which can hold a graph's output the loop has dropped)."""
+        if collect and _alive_outputs(calls) >= CORRECTION_MIN_BYTES:
             gc.collect()
         index = next((i for i, c in enumerate(calls) if c is self), len(calls))
         # One a call whose backward is still to run reads is freed or not as that call's plan saves it or
@@ -1024,6 +1024,19 @@ def _droppable(sharing: StepSharing | None, args: Sequence[Any], outputs: Sequen
         if storage.data_ptr() not in held and storage.data_ptr() not in parameters and storage.nbytes() > 0:
             found.append((StorageWeakRef(storage), storage.data_ptr(), f))
     return tuple(found)
+
+
+def _alive_outputs(calls: Sequence[_Call]) -> int:
+    """Bytes of the calls' droppable outputs still alive, each storage once: what a garbage collection could
+    free that the step would count as freed (a user's batch, a droppable input only, stays alive anyway)."""
+    seen: set[int] = set()
+    total = 0
+    for c in calls:
+        for ref, ptr, f in c.droppable:
+            if f.outputs and ptr not in seen and not ref.expired():
+                seen.add(ptr)
+                total += f.nbytes
+    return total
 
 
 def _alive_elsewhere(calls: Sequence[_Call], this: _Call | None, counted: set[int]) -> int:

@@ -147,8 +147,9 @@ def test_fast_is_deterministic() -> None:
 
 @pytest.mark.parametrize("can_offload", [False, True])
 def test_fast_takes_about_a_second_on_2500_steps_and_400_candidates(can_offload: bool) -> None:
-    """0.75 s (median of 3) on a 2-core EPYC; the bound leaves room for slower CI CPUs and a noisy neighbour
-    (a 1 s bound failed once in a full suite run there)."""
+    """0.75 s (median of 3) on a 2-core EPYC; 2.1-2.7 s on a 2-core 2.5 GHz Xeon, where a 2 s bound failed. The
+    bound guards against a change in complexity (a quadratic step takes minutes here), not a speed claim: the
+    solver benchmark (`benchmarks/solver_gap.py`) reports the time on its machine."""
     problem = random_problem(0, steps=2500, candidates=400, can_offload=can_offload)
     saved = plan_memory(problem, problem.all_saved()).peak_bytes
     floor = int(problem.base_bytes.max())
@@ -159,7 +160,7 @@ def test_fast_takes_about_a_second_on_2500_steps_and_400_candidates(can_offload:
         solution = solve_fast(problem, budget)
         times.append(time.perf_counter() - started)
     assert solution.feasible
-    assert statistics.median(times) < 2.0, times
+    assert statistics.median(times) < 5.0, times
 
 
 def test_fits_answers_at_once_below_the_floor() -> None:
