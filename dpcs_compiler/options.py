@@ -22,6 +22,7 @@ from dpcs_compiler.cost.step_model import StepContext
 COMPILERS = ("inductor", "eager")
 ON_INFEASIBLE = ("error", "best")
 BUDGET_SCOPES = ("step", "graph")
+BACKWARD_ORDERS = ("auto", "autograd", "sunk")
 PRECISIONS = ("fp32", "bf16", "fp16")
 FP8_RECIPES = ("tensorwise", "rowwise")
 FP8_MATMULS = ("auto", "scaled_mm", "emulated")
@@ -188,6 +189,11 @@ class DpcsOptions:
     keep_torch_plan: with a memory_budget, compile torch's own partition (min-cut) when it fits the budget,
         so a budget nothing presses costs nothing (`stages/partition.py`); False: dpcs plans every graph
         (at such a budget, its plan that saves every value the backward reads).
+    backward_order: with a memory_budget, the node order of a planned backward graph
+        (`passes/rewrite/backward_order.py`): "sunk" moves ops to just before their readers where no buffer
+        lives longer, kept where it simulates a lower backward peak; "autograd" keeps autograd's order;
+        "auto" (default) sinks with compiler="eager", whose graphs run in that order, and not under Inductor,
+        whose fusion and reordering start from the order given (measured both lower and higher there).
     calibrate: with a memory_budget, time the graph's own ops once (its joint graph run op by op on made-up
         inputs of its shapes) and plan with the roofline fitted to them: compute and memory scales and the
         per-op cost (`stages/calibrate.py`); False: the hardware profile's roofline.
@@ -212,6 +218,7 @@ class DpcsOptions:
     rank_agreement: bool = True
     budget_scope: str = "step"
     keep_torch_plan: bool = True
+    backward_order: str = "auto"
     calibrate: bool = False
     step_context: StepContext | None = None
     size_hints: tuple[tuple[str, int], ...] = ()
@@ -271,6 +278,11 @@ class DpcsOptions:
         if not isinstance(self.keep_torch_plan, bool):
             raise ValueError(
                 f"dpcs option 'keep_torch_plan'={self.keep_torch_plan!r} is not valid; valid choices: True, False"
+            )
+        if self.backward_order not in BACKWARD_ORDERS:
+            raise ValueError(
+                f"dpcs option 'backward_order'={self.backward_order!r} is not valid; valid choices: "
+                f"{', '.join(map(repr, BACKWARD_ORDERS))}"
             )
         if not isinstance(self.rank_agreement, bool):
             raise ValueError(
@@ -346,6 +358,11 @@ class DpcsOptions:
 
         return {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
+    @property
+    def sinks_backward(self) -> bool:
+        """Whether a planned backward is compiled in its sunk order where that simulates lower (`backward_order`)."""
+        return self.backward_order == "sunk" or (self.backward_order == "auto" and self.compiler == "eager")
+
     def fingerprint(self) -> str:
         """Stable hash of the options that change compiled code (the dump folder, strictness and the budget's
         scope do not: a step's context does; the hardware profile is in the plan as the profile itself,
@@ -360,6 +377,8 @@ class DpcsOptions:
             del relevant["keep_torch_plan"]
         if not relevant["calibrate"]:
             del relevant["calibrate"]
+        if relevant["backward_order"] == "auto":
+            del relevant["backward_order"]
         return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
 
 

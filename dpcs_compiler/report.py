@@ -17,6 +17,7 @@ class CompileRecord:
     joint_nodes: int = 0
     forward_nodes: int = 0
     backward_nodes: int = 0
+    backward_order: str = "autograd"  # the backward's node order compiled: autograd's, or a sunk one (`backward_order`)
     saved_values: int = 0
     saved_bytes: int = 0
     resident_bytes: int = 0

@@ -25,6 +25,7 @@ from dpcs_compiler.passes.analysis.planning import (
     RUNTIME_ALLOWANCE_BYTES,
     PlanningGraph,
 )
+from dpcs_compiler.passes.rewrite.backward_order import apply_order, sunk_order
 from dpcs_compiler.passes.rewrite.offload import insert_offloads
 from dpcs_compiler.passes.rewrite.partition import (
     partition_by_plan,
@@ -88,9 +89,13 @@ class JointPartitioner(CustomPartitionerFn):
                             release_after={v.name: v.release_after for v in offloaded},
                         )
         with ctx.instrumented("step", "analyses"):
-            step, timeline, live = kept.analyses if kept is not None else self.step_analyses(
-                forward, backward, num_fwd_outputs
-            )
+            if kept is not None:
+                step, timeline, live = kept.analyses
+            else:
+                step, timeline, live = self.step_analyses(forward, backward, num_fwd_outputs)
+                if job.options.memory_budget is not None and job.options.sinks_backward and not job.plan.decided(OFFLOAD):
+                    step, timeline, live = self.lowest_backward_order(forward, backward, num_fwd_outputs,
+                                                                      (step, timeline, live))
             # Bytes a saved value keeps alive: the buffers it points into, less those of resident inputs
             # (a saved transpose of a weight costs nothing extra).
             kept = {n: [b for b in live.references.get(n, ()) if b.producer not in step.resident] for n in step.saved}
@@ -134,6 +139,32 @@ class JointPartitioner(CustomPartitionerFn):
             job.record.graph, len(values), job.record.saved_bytes, timeline.peak_bytes, job.record.peak_node,
         )
         return forward, backward
+
+    def lowest_backward_order(self, forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outputs: int,
+                              analyses: tuple) -> tuple:
+        """The backward in its sunk order (`passes.rewrite.backward_order`) if its simulated backward peaks
+        lower than autograd's order, else as it is; returns the step analyses of the order kept. Only a plan's
+        own partition: torch's is compiled as torch orders it (no cost at no pressure), and a plan that
+        offloads keeps its reloads' place among the ops that overlap them."""
+        job, ctx = self.job, self.job.ctx
+        step, timeline, live = analyses
+        original = list(backward.graph.nodes)
+        resident_buffers = set(step.resident)
+        resident = frozenset(p.name for p, src in step.receives.items()
+                             if all(b.producer in resident_buffers for b in live.references.get(src, ())))
+        if not apply_order(backward.graph, sunk_order(backward.graph, resident)):
+            return analyses
+        ctx.analyses.invalidate(backward)
+        candidate = self.step_analyses(forward, backward, num_fwd_outputs)
+        before, after = PhaseLevels.of(timeline).backward_peak, PhaseLevels.of(candidate[1]).backward_peak
+        log.info("%s: backward peak %d B in autograd's order, %d B sunk", job.record.graph, before, after)
+        if after < before:
+            job.record.backward_order = "sunk"
+            backward.recompile()
+            return candidate
+        apply_order(backward.graph, original)
+        ctx.analyses.invalidate(backward)
+        return analyses
 
     def min_cut(
         self, joint: fx.GraphModule, joint_schedule: Schedule | None, joint_inputs: Sequence[object], kwargs: dict
