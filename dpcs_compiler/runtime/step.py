@@ -150,7 +150,7 @@ class _Call:
         """Its backward starts: read which of its droppable buffers the step has freed, and what the others'
         still hold; with `collect`, after a garbage collection if outputs worth a correction are alive (a step that
         compiled graphs leaves reference cycles, which can hold a graph's output the loop has dropped)."""
-        if collect and _alive_outputs(calls) >= CORRECTION_MIN_BYTES:
+        if collect and _alive_elsewhere(calls, None, set(), outputs_only=True) >= CORRECTION_MIN_BYTES:
             gc.collect()
         index = next((i for i, c in enumerate(calls) if c is self), len(calls))
         # One a call whose backward is still to run reads is freed or not as that call's plan saves it or
@@ -1026,28 +1026,16 @@ def _droppable(sharing: StepSharing | None, args: Sequence[Any], outputs: Sequen
     return tuple(found)
 
 
-def _alive_outputs(calls: Sequence[_Call]) -> int:
-    """Bytes of the calls' droppable outputs still alive, each storage once: what a garbage collection could
-    free that the step would count as freed (a user's batch, a droppable input only, stays alive anyway)."""
-    seen: set[int] = set()
-    total = 0
-    for c in calls:
-        for ref, ptr, f in c.droppable:
-            if f.outputs and ptr not in seen and not ref.expired():
-                seen.add(ptr)
-                total += f.nbytes
-    return total
-
-
-def _alive_elsewhere(calls: Sequence[_Call], this: _Call | None, counted: set[int]) -> int:
+def _alive_elsewhere(calls: Sequence[_Call], this: _Call | None, counted: set[int], *, outputs_only: bool = False) -> int:
     """Bytes of the droppable buffers of `calls` (other than `this`) still alive, each storage once, those in
-    `counted` (held by a graph, or the running call's own) left out."""
+    `counted` (held by a graph, or the running call's own) left out; with `outputs_only`, only graph outputs
+    (what a garbage collection could free that the step counts as freed: a user's batch stays alive anyway)."""
     seen, total = set(counted), 0
     for c in calls:
         if c is this:
             continue
         for ref, ptr, f in c.droppable:
-            if ptr not in seen and not ref.expired():
+            if ptr not in seen and not ref.expired() and (f.outputs or not outputs_only):
                 seen.add(ptr)
                 total += f.nbytes
     return total

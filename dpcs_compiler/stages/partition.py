@@ -114,15 +114,10 @@ class JointPartitioner(CustomPartitionerFn):
             # partitioned graphs' own simulation is kept as a check, and is what Inductor's schedule of each
             # graph is compared with (`PartCompiler.check_schedule`).
             job.levels = PhaseLevels.of(timeline)
-            # A backward input is resident when it only points into resident buffers (a parameter, or a
-            # transposed view of one): freeing it frees nothing.
-            received = {p.name: not kept.get(src, ()) for p, src in step.receives.items()}
+            resident = resident_backward_inputs(step, live)
             job.graph_inputs = {
                 "forward": (frozenset(p.name for p in step.resident), frozenset()),
-                "backward": (
-                    frozenset(p for p, resident in received.items() if resident),
-                    frozenset(p for p, resident in received.items() if not resident),
-                ),
+                "backward": (resident, frozenset(p.name for p in step.receives) - resident),
             }
             job.record.partition_peak_bytes = timeline.peak_bytes
             job.record.predicted_peak_bytes = job.plan.predicted_peak_bytes
@@ -149,10 +144,7 @@ class JointPartitioner(CustomPartitionerFn):
         job, ctx = self.job, self.job.ctx
         step, timeline, live = analyses
         original = list(backward.graph.nodes)
-        resident_buffers = set(step.resident)
-        resident = frozenset(p.name for p, src in step.receives.items()
-                             if all(b.producer in resident_buffers for b in live.references.get(src, ())))
-        if not apply_order(backward.graph, sunk_order(backward.graph, resident)):
+        if not apply_order(backward.graph, sunk_order(backward.graph, resident_backward_inputs(step, live))):
             return analyses
         ctx.analyses.invalidate(backward)
         candidate = self.step_analyses(forward, backward, num_fwd_outputs)
@@ -220,6 +212,14 @@ class JointPartitioner(CustomPartitionerFn):
         analyses = self.step_analyses(forward, backward, kwargs["num_fwd_outputs"])
         excess = partition_excess(self.job, PhaseLevels.of(analyses[1]), decisions)
         return TorchPartition(decisions, excess, (forward, backward), analyses)
+
+
+def resident_backward_inputs(step: Schedule, live: Any) -> frozenset[str]:
+    """Names of the backward's inputs that are resident: they only point into resident buffers (a parameter,
+    or a transposed view of one), so freeing them frees nothing."""
+    resident = set(step.resident)
+    return frozenset(p.name for p, src in step.receives.items()
+                     if all(b.producer in resident for b in live.references.get(src, ())))
 
 
 def partition_excess(job: GraphJob, levels: PhaseLevels, decisions: Sequence[str]) -> dict[str, int]:

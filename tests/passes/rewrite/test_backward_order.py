@@ -63,7 +63,7 @@ def simulated_peak(graph: fx.Graph, order, resident: frozenset[str]) -> int:
         alive += made
         for b in {root[x] for x in n.all_input_nodes} | ({n} if made else set()):
             if last.get(b, -1) == i and b not in outputs and not (b.op == "placeholder" and b.name in resident):
-                alive -= size(b) if b.op != "placeholder" or b.name not in resident else 0
+                alive -= size(b)
     return peak
 
 
