@@ -85,7 +85,7 @@ DEDUPE_RELATIVE = 0.005  # upstream peaks within 0.5% of each other give one dpc
 RECORD_FIELDS = ("graph", "variant_of", "mode", "compiler", "predicted_peak_bytes", "budget_bytes", "plan_feasible", "solver",
                  "recomputed_values", "offloaded_values", "plan_added_seconds", "partition_peak_bytes", "fallback",
                  "forward_schedule_excess_bytes", "backward_schedule_excess_bytes", "replans", "fusions_refused",
-                 "hardware_profile", "planned_for", "plan_hash", "pass_seconds", "calibration")
+                 "hardware_profile", "planned_for", "plan_hash", "pass_seconds", "calibration", "recompute_terms")
 
 
 class LossModule(nn.Module):
@@ -212,14 +212,26 @@ def dpcs_budgets(upstream: Sequence[Strategy], below: Sequence[float]) -> list[t
     return out
 
 
-def dpcs_strategy(budget: int, source: str, compiler: str, strict: bool = True, calibrate: bool = False) -> Strategy:
-    options = {"memory_budget": int(budget), "on_infeasible": "best", "compiler": compiler}
+CALIBRATED_PREFIX = {"ops": "dpcs_cal", "steps": "dpcs_stepcal"}
+
+
+def dpcs_strategy(budget: int, source: str, compiler: str, strict: bool = True, calibrate: str | None = None,
+                  calibration: dict[str, float | None] | None = None) -> Strategy:
+    """dpcs at `budget`; calibrate: None (the profile's roofline), "ops" (option calibrate: the roofline fitted
+    to the graph's own ops) or "steps" (option calibration: `calibration`, fitted to measured steps)."""
+    options: dict[str, Any] = {"memory_budget": int(budget), "on_infeasible": "best", "compiler": compiler}
     if strict:  # a failing dpcs stage is this point's error, not a plain-Inductor point labelled dpcs
         options["strict"] = True
-    if calibrate:  # costed with the roofline fitted to the graph's own ops (`stages/calibrate.py`)
+    if calibrate == "ops":  # costed with the roofline fitted to the graph's own ops (`stages/calibrate.py`)
         options["calibrate"] = True
+    elif calibrate == "steps":
+        if calibration is None:
+            raise ValueError("dpcs_strategy: calibrate='steps' needs the calibration fitted to measured steps")
+        options["calibration"] = dict(calibration)
+    elif calibrate is not None:
+        raise ValueError(f"dpcs_strategy: calibrate={calibrate!r} is not valid; valid choices: None, 'ops', 'steps'")
     return Strategy(
-        f"dpcs{'_cal' if calibrate else ''}@{budget / MiB:.4g}MiB",
+        f"{CALIBRATED_PREFIX.get(calibrate, 'dpcs')}@{budget / MiB:.4g}MiB",
         "dpcs",
         lambda m: torch.compile(m, backend="dpcs", options=dict(options), dynamic=False),
         compiled=True,
@@ -333,6 +345,10 @@ def _dpcs_fields(result: dict[str, Any], records: list) -> None:
         training = [latest[g] for g in dict.fromkeys(step.calls) if g in latest]
     else:
         result["predicted_peak_bytes"] = training[0]["predicted_peak_bytes"] if len(training) == 1 else None
+    # What the step's plans recompute (each graph's latest plan): with its measured time, one sample of the
+    # step calibration (`--calibrate steps`).
+    terms = [r["recompute_terms"] for r in training if r["recompute_terms"] is not None]
+    result["recompute_terms"] = terms if terms and len(terms) == len(training) else None
     feasible = [r["plan_feasible"] for r in training if r["plan_feasible"] is not None]
     result["plan_feasible"] = (steps[-1].feasible if steps else all(feasible)) if feasible or steps else None
     for field in ("recomputed_values", "offloaded_values"):
@@ -345,9 +361,13 @@ def _dpcs_fields(result: dict[str, Any], records: list) -> None:
     result["solvers"] = sorted({r["solver"] for r in training if r["solver"]})
 
 
-def time_interleaved(strategies: Sequence[Strategy], *, steps: int, warmup: int, device: torch.device) -> None:
-    """Round-robin: each round runs one step of every strategy (starting one further each round)."""
+def time_interleaved(strategies: Sequence[Strategy], *, steps: int, warmup: int, device: torch.device,
+                     field: str = "step_s") -> None:
+    """Round-robin: each round runs one step of every strategy (starting one further each round); the median
+    goes to result[field], every time to result[field + "_all"]."""
     live = [s for s in strategies if s.ok]
+    for strategy in live:
+        strategy.times = []
     graphs_before = _unique_graphs()
     for round_ in range(warmup + steps):
         order = live[round_ % len(live):] + live[: round_ % len(live)] if live else []
@@ -369,8 +389,8 @@ def time_interleaved(strategies: Sequence[Strategy], *, steps: int, warmup: int,
     recompiled = _unique_graphs() - graphs_before
     for strategy in live:
         if strategy.times:
-            strategy.result["step_s"] = statistics.median(strategy.times)
-            strategy.result["step_s_all"] = strategy.times
+            strategy.result[field] = statistics.median(strategy.times)
+            strategy.result[field + "_all"] = strategy.times
         strategy.result["recompiles_while_timing"] = recompiled
 
 
@@ -391,8 +411,8 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device, log: Ca
             model_progress.advance()
         if "dpcs" in args.strategies:
             for budget, source in dpcs_budgets(strategies, args.dpcs_below):
-                variants = [False, True] if args.calibrate and source.startswith("peak of ") else [False]
-                for calibrate in variants:  # with --calibrate, the pairwise budgets also calibrated
+                variants = [None, "ops"] if args.calibrate == "ops" and source.startswith("peak of ") else [None]
+                for calibrate in variants:  # with --calibrate ops, the pairwise budgets also calibrated
                     s = dpcs_strategy(budget, source, args.compiler, strict=not args.dpcs_fallback, calibrate=calibrate)
                     if any(t.name == s.name for t in strategies):
                         continue
@@ -405,6 +425,9 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device, log: Ca
         log(f"[{name}] timing {sum(s.ok for s in strategies)} strategies interleaved, {args.steps} steps each")
         model_progress.detail(f"timing {sum(s.ok for s in strategies)} strategies interleaved")
         time_interleaved(strategies, steps=args.steps, warmup=args.warmup, device=device)
+        step_fit = None
+        if args.calibrate == "steps" and "dpcs" in args.strategies:
+            step_fit = calibrate_from_steps(name, strategies, base, inputs, args, device, log, model_progress)
     for s in strategies:
         s.module = s.step = None  # free the copies
     results = {s.name: s.result for s in strategies}
@@ -417,6 +440,7 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device, log: Ca
                 r[ratio] = None
     model_params = sum(p.numel() for p in w.model.parameters())
     return {
+        "step_calibration": step_fit,
         "model": type(w.model).__name__,
         "parameters": model_params,
         "inputs": [list(x.shape) for x in w.inputs],
@@ -425,22 +449,81 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device, log: Ca
     }
 
 
+def step_samples(strategies: Sequence[Strategy]) -> list[Any]:
+    """One `StepSample` per uncalibrated dpcs point measured by dpcs itself: what its plans recompute, and
+    its measured step time."""
+    from dpcs_compiler.cost.calibration import StepSample
+
+    return [
+        StepSample.of(s.result["recompute_terms"], s.result["step_s"])
+        for s in strategies
+        if s.kind == "dpcs" and not s.result.get("calibrate") and s.result.get("step_s") is not None
+        and s.result.get("recompute_terms") and not s.result.get("fallback")
+    ]
+
+
+def calibrate_from_steps(name: str, strategies: list[Strategy], base: LossModule, inputs: Sequence[torch.Tensor],
+                         args: argparse.Namespace, device: torch.device, log: Callable[[str], None],
+                         model_progress: Any) -> dict[str, Any]:
+    """`--calibrate steps`: fit the roofline to the measured steps of the uncalibrated dpcs points
+    (`fit_step_calibration`), plan each pairwise budget again with that fit (dpcs_stepcal@...), and time each
+    against its uncalibrated plan, interleaved (result["paired_step_s"] of both)."""
+    from dpcs_compiler.cost.calibration import fit_step_calibration
+    from dpcs_compiler.cost.profiles import resolve_profile
+    from dpcs_compiler.options import DpcsOptions
+
+    profile = resolve_profile(DpcsOptions.from_dict({}).hardware_profile, device).profile
+    try:
+        fit = fit_step_calibration(step_samples(strategies), launch_overhead_s=profile.launch_overhead_s)
+    except ValueError as error:
+        log(f"[{name}] no step calibration: {error}")
+        return {"error": str(error)}
+    calibration = dataclasses.asdict(fit.calibration)
+    if not fit.fitted:  # the roofline predicts the measured steps best: the calibrated plans are the same plans
+        log(f"[{name}] the measured steps keep the roofline (held out {_ms(fit.held_out_s)}): nothing to re-plan")
+        return {**fit.to_json(), "error": None}
+    log(f"[{name}] fitted to {fit.samples} measured steps: {calibration}, terms fitted {fit.fitted} (base "
+        f"{fit.base_s * 1e3:.1f} ms, residual {fit.residual_s * 1e3:.2f} ms, held out {_ms(fit.held_out_s)}, "
+        f"roofline held out {_ms(fit.roofline_held_out_s)})")
+    pairs = []
+    for plain in [s for s in strategies if s.kind == "dpcs" and s.ok and not s.result.get("calibrate")
+                  and (s.budget_source or "").startswith("peak of ")]:
+        s = dpcs_strategy(plain.budget_bytes, plain.budget_source, args.compiler, strict=not args.dpcs_fallback,
+                          calibrate="steps", calibration=calibration)
+        log(f"[{name}] {s.name} ({s.budget_source}): compiling / warming up")
+        model_progress.detail(f"{s.name}: compiling / warming up")
+        prepare_with_retry(s, base, inputs, device=device, warmup=args.warmup, sgd=args.sgd, log=log)
+        s.result["calibrate"] = "steps"
+        strategies.append(s)
+        pairs += [plain, s]
+    log(f"[{name}] timing {len(pairs) // 2} step-calibrated plans against their uncalibrated ones, interleaved")
+    time_interleaved(pairs, steps=args.steps, warmup=args.warmup, device=device, field="paired_step_s")
+    for s in pairs:  # a calibrated point's own time is its paired time (measured beside its uncalibrated plan)
+        if s.result.get("calibrate") == "steps" and s.result.get("paired_step_s") is not None:
+            s.result["step_s"], s.result["step_s_all"] = s.result["paired_step_s"], s.result["paired_step_s_all"]
+    return {**fit.to_json(), "error": None}
+
+
 def targets(model: str, results: dict[str, dict]) -> dict[str, Any]:
     """Per dpcs budget: its step time against every upstream strategy with a measured peak >= its own;
     the model: dpcs's lowest peak against every upstream peak (a target on the GPT)."""
     upstream = {n: r for n, r in results.items() if r["kind"] == "upstream" and r.get("step_s") is not None}
     every = {n: r for n, r in results.items() if r["kind"] == "dpcs" and r.get("step_s") is not None}
     dpcs = {n: r for n, r in every.items() if not r.get("calibrate")}
-    # With --calibrate: each calibrated point against the uncalibrated one at the same budget.
+    # With --calibrate: each calibrated point against the uncalibrated one at the same budget (with "steps",
+    # the times measured side by side after the fit, "paired_step_s").
     calibrated = {}
     for name, r in every.items():
         if r.get("calibrate"):
             plain = next((p for p in dpcs.values() if p.get("budget_bytes") == r.get("budget_bytes")), None)
+            plain_s = (plain.get("paired_step_s") or plain["step_s"]) if plain else None
             calibrated[name] = {
+                "calibrate": r["calibrate"],
                 "budget_source": r.get("budget_source"),
                 "step_s": r["step_s"], "peak_bytes": r["peak_bytes"],
-                "uncalibrated_step_s": plain["step_s"] if plain else None,
-                "time_ratio_to_uncalibrated": r["step_s"] / plain["step_s"] if plain else None,
+                "uncalibrated_step_s": plain_s,
+                "uncalibrated_peak_bytes": plain["peak_bytes"] if plain else None,
+                "time_ratio_to_uncalibrated": r["step_s"] / plain_s if plain_s else None,
                 "within_budget": r["peak_bytes"] <= r["budget_bytes"] if r.get("budget_bytes") else None,
             }
     per_budget = {}
@@ -517,6 +600,10 @@ def _mib(n: int | None) -> str:
     return f"{n / MiB:.1f}" if n >= 10 * MiB else f"{n / MiB:.3g}"
 
 
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.2f} ms"
+
+
 def _ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
@@ -567,6 +654,14 @@ def print_tables(payload: dict[str, Any], console) -> None:
                 f"({p['time_ratio']:.2f}x, target <= {p['target_ratio']:.2f}x): {verdict}",
                 highlight=False,
             )
+        fit = m.get("step_calibration")
+        if fit:
+            console.print(f"  step calibration: {fit['error']}" if fit.get("error") else
+                          f"  step calibration from {fit['samples']} measured dpcs steps: compute x"
+                          f"{fit['compute_scale']:.3g}, memory x{fit['memory_scale']:.3g}, per op "
+                          f"{(fit['overhead_s'] or 0) * 1e6:.3g} us (fitted: {', '.join(fit['fitted']) or 'none, the roofline kept'}; "
+                          f"residual {fit['residual_s'] * 1e3:.2f} ms; held-out error {_ms(fit['held_out_s'])} vs "
+                          f"the roofline's {_ms(fit['roofline_held_out_s'])})", highlight=False)
         for c, p in t.get("calibrated", {}).items():
             console.print(f"  calibrated {c} ({p['budget_source']}): {p['step_s'] * 1e3:.1f} ms, "
                           f"{_ratio(p['time_ratio_to_uncalibrated'])} the uncalibrated plan's time; within budget: "
@@ -676,9 +771,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="tiny model sizes (tests)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results", help="results folder")
     parser.add_argument("--check-targets", action="store_true", help="exit 1 when a target does not hold")
-    parser.add_argument("--calibrate", action="store_true",
-                        help="also run dpcs with calibrate=True at the pairwise budgets (dpcs_cal@...): plans "
-                        "costed with the roofline fitted to each graph's own ops, side by side with the uncalibrated")
+    parser.add_argument("--calibrate", nargs="?", const="steps", choices=("steps", "ops"), default=None,
+                        help="also plan each pairwise budget calibrated, side by side with the uncalibrated plan: "
+                        "'steps' (the default): the roofline fitted to the measured step times of the uncalibrated "
+                        "dpcs points (dpcs_stepcal@..., option calibration), each timed again beside its "
+                        "uncalibrated plan; 'ops': fitted to each graph's own ops timed one by one (dpcs_cal@..., "
+                        "option calibrate)")
     return parser
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from dpcs_compiler.cost.hardware import HardwareProfile, profile_to_json
+from dpcs_compiler.cost.op_time import Calibration
 from dpcs_compiler.cost.profiles import MEASURE, ProfileSpec, parse_profile_spec, profile_choices
 from dpcs_compiler.cost.step_model import StepContext
 
@@ -192,11 +193,17 @@ class DpcsOptions:
     backward_order: with a memory_budget, the node order of a planned backward graph
         (`passes/rewrite/backward_order.py`): "sunk" moves ops to just before their readers where no buffer
         lives longer, kept where it simulates a lower backward peak; "autograd" keeps autograd's order;
-        "auto" (default) sinks with compiler="eager", whose graphs run in that order, and not under Inductor,
-        whose fusion and reordering start from the order given (measured both lower and higher there).
+        "auto" (default) sinks with compiler="eager", whose graphs run in that order; under Inductor, whose
+        fusion and reordering start from the order given (measured both lower and higher there), only a plan
+        over its budget whose sunk order simulates lower, and only where Inductor schedules it lower (both
+        orders scheduled, `stages/compile_parts.PartCompiler.lowest_scheduled_order`).
     calibrate: with a memory_budget, time the graph's own ops once (its joint graph run op by op on made-up
         inputs of its shapes) and plan with the roofline fitted to them: compute and memory scales and the
         per-op cost (`stages/calibrate.py`); False: the hardware profile's roofline.
+    calibration: with a memory_budget, plan with this roofline calibration: a `Calibration` or a dict of
+        compute_scale, memory_scale and overhead_s (seconds per op; None: the profile's), such as
+        `cost.calibration.fit_step_calibration` fits to measured step times of earlier plans (`dpcs bench
+        --calibrate steps` shows how); None (default): the profile's roofline, or option `calibrate`'s fit.
     step_context: set by dpcs, not by users: what the other graphs of the step hold around this one
         (`cost.step_model.StepContext`), from the step planner (`runtime/step.py`).
     size_hints: set by dpcs, not by users: for a graph with dynamic shapes, the sizes its plan is made for
@@ -220,6 +227,7 @@ class DpcsOptions:
     keep_torch_plan: bool = True
     backward_order: str = "auto"
     calibrate: bool = False
+    calibration: Calibration | None = None
     step_context: StepContext | None = None
     size_hints: tuple[tuple[str, int], ...] = ()
     option_sources: tuple[tuple[str, str], ...] = ()
@@ -275,6 +283,12 @@ class DpcsOptions:
             )
         if not isinstance(self.calibrate, bool):
             raise ValueError(f"dpcs option 'calibrate'={self.calibrate!r} is not valid; valid choices: True, False")
+        object.__setattr__(self, "calibration", _calibration(self.calibration))
+        if self.calibrate and self.calibration is not None:
+            raise ValueError(
+                "dpcs options 'calibrate'=True and 'calibration' both choose the roofline a plan is costed with; "
+                "valid choices: one of them"
+            )
         if not isinstance(self.keep_torch_plan, bool):
             raise ValueError(
                 f"dpcs option 'keep_torch_plan'={self.keep_torch_plan!r} is not valid; valid choices: True, False"
@@ -350,6 +364,8 @@ class DpcsOptions:
                 return json.loads(profile_to_json(value))
             if isinstance(value, StepContext):
                 return value.to_json()
+            if isinstance(value, Calibration):
+                return dataclasses.asdict(value)
             if isinstance(value, Fp8Options):
                 return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(value).items()}
             if isinstance(value, tuple):
@@ -377,9 +393,30 @@ class DpcsOptions:
             del relevant["keep_torch_plan"]
         if not relevant["calibrate"]:
             del relevant["calibrate"]
+        if relevant["calibration"] is None:
+            del relevant["calibration"]
         if relevant["backward_order"] == "auto":
             del relevant["backward_order"]
         return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _calibration(value: Any) -> Calibration | None:
+    """Option `calibration`: None, a Calibration, or a dict of its fields (ValueError naming what is wrong)."""
+    if value is None or isinstance(value, Calibration):
+        return value
+    valid = "None, a Calibration, or a dict of compute_scale, memory_scale and overhead_s (>= 0; overhead_s may be None)"
+    if not isinstance(value, dict) or not value or set(value) - set(CALIBRATION_FIELDS):
+        raise ValueError(f"dpcs option 'calibration'={value!r} is not valid; valid choices: {valid}")
+    if any(isinstance(v, bool) or not (isinstance(v, (int, float)) or (k == "overhead_s" and v is None))
+           for k, v in value.items()):
+        raise ValueError(f"dpcs option 'calibration'={value!r} is not valid; valid choices: {valid}")
+    try:
+        return Calibration(**{k: (float(v) if v is not None else None) for k, v in value.items()})
+    except ValueError as error:
+        raise ValueError(f"dpcs option 'calibration'={value!r} is not valid ({error}); valid choices: {valid}") from None
+
+
+CALIBRATION_FIELDS = tuple(f.name for f in dataclasses.fields(Calibration))
 
 
 def environment_options(valid: list[str]) -> tuple[dict[str, Any], str]:

@@ -36,6 +36,9 @@ class CompileRecord:
     recomputed_values: int = 0
     offloaded_values: int = 0
     plan_added_seconds: float | None = None  # estimated recompute and exposed copy time per step
+    # What the plan recomputes by the profile's uncalibrated roofline ({"compute_s", "memory_s", "ops"}): with a
+    # measured step time, one sample of `cost.calibration.fit_step_calibration` (`StepSample.of`).
+    recompute_terms: dict[str, float] | None = None
     # The hardware profile the plan was costed with: "<device key>: <where it came from> #<short hash>", and
     # the device it describes when that is another kind than the graph's (a GPU planned for from a CPU: the
     # predicted peak is that device's, not measurable here).
@@ -54,7 +57,8 @@ class CompileRecord:
     variant_of: str | None = None  # a runtime / step variant: the graph first compiled from the same Dynamo graph
     fusions_refused: int = 0  # Inductor horizontal fusions refused across allocations (passes/rewrite/fusion_guard)
     # Option `calibrate`: the roofline fit to this graph's own ops the plan was costed with (compute_scale,
-    # memory_scale, overhead_s, samples, seconds); None: the hardware profile's roofline (`stages/calibrate.py`).
+    # memory_scale, overhead_s, samples, seconds); option `calibration`: the one given; None: the hardware
+    # profile's roofline (`stages/calibrate.py`).
     calibration: dict[str, Any] | None = None
     # Precision (solve/precision.py): the graph's low dtype, ops given a dtype, linears run in fp8.
     precision: str = "fp32"

@@ -104,6 +104,14 @@ def roofline_seconds(
     )
 
 
+def roofline_terms(node_cost: NodeCost, dtype: torch.dtype | str, profile: HardwareProfile) -> tuple[float, float]:
+    """One graph node's roofline terms, uncalibrated: (compute seconds, memory seconds of bytes read + written)."""
+    return (
+        compute_seconds(node_cost.flops, dtype, profile),
+        memory_seconds(node_cost.bytes_read + node_cost.bytes_written, profile),
+    )
+
+
 def node_seconds(
     node_cost: NodeCost,
     dtype: torch.dtype | str,
@@ -111,9 +119,7 @@ def node_seconds(
     calibration: Calibration | None = None,
 ) -> float:
     """Estimated seconds of one graph node from its op_cost entry; it moves bytes_read + bytes_written."""
-    return roofline_seconds(
-        node_cost.flops, node_cost.bytes_read + node_cost.bytes_written, dtype, profile, calibration
-    )
+    return combine_seconds(*roofline_terms(node_cost, dtype, profile), profile, calibration)
 
 
 def transfer_seconds(nbytes: int, profile: HardwareProfile, *, to_host: bool = True) -> float:

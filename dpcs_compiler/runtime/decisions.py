@@ -36,12 +36,16 @@ class Decisions:
     budget_scale: None (each graph's memory_budget as compiled), or a factor in (0, 1] applied to each
         graph's reference: its compiled budget, or, without one, the peak its first plan predicted.
     budget_bytes: an absolute memory_budget for every graph (`Runtime.force_budget`); wins over the scale.
+    calibration: None (each graph's roofline as compiled), or (compute_scale, memory_scale, overhead_s) of the
+        roofline fitted to measured step times (`Runtime.calibrate_from_steps`) that budgeted plans are costed
+        with (the `calibration` option; overhead_s None: the profile's per-op cost).
     """
 
     precision: str = "fp32"
     fp32_regions: tuple[str, ...] = ()
     budget_scale: float | None = None
     budget_bytes: int | None = None
+    calibration: tuple[float, float, float | None] | None = None
 
     def __post_init__(self) -> None:
         check_mode("Decisions.precision", self.precision)
@@ -63,13 +67,34 @@ class Decisions:
             isinstance(self.budget_bytes, bool) or not isinstance(self.budget_bytes, int) or self.budget_bytes <= 0
         ):
             raise ValueError(f"Decisions.budget_bytes={self.budget_bytes!r} is not valid; valid choices: None or bytes > 0")
+        if self.calibration is not None:
+            value = self.calibration
+            if (
+                isinstance(value, (str, bytes)) or not hasattr(value, "__len__") or len(value) != 3
+                or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf")
+                       for v in value[:2])
+                or not (value[2] is None or (not isinstance(value[2], bool) and isinstance(value[2], (int, float))
+                                             and 0 <= value[2] < float("inf")))
+            ):
+                raise ValueError(
+                    f"Decisions.calibration={value!r} is not valid; valid choices: None or (compute_scale, "
+                    "memory_scale, overhead_s), each finite and >= 0 (overhead_s may be None)"
+                )
+            object.__setattr__(self, "calibration", tuple(None if v is None else float(v) for v in value))
 
     def to_json(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "fp32_regions": list(self.fp32_regions)}
+        data = {**dataclasses.asdict(self), "fp32_regions": list(self.fp32_regions)}
+        if self.calibration is None:  # left out, so the keys of decisions without one stay as they were
+            del data["calibration"]
+        else:
+            data["calibration"] = list(self.calibration)
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Decisions:
-        return cls(**{**data, "fp32_regions": tuple(data.get("fp32_regions", ()))})
+        calibration = data.get("calibration")
+        return cls(**{**data, "fp32_regions": tuple(data.get("fp32_regions", ())),
+                      "calibration": tuple(calibration) if calibration is not None else None})
 
     def key(self) -> str:
         """A stable short hash: the variant's name in logs, telemetry and caches."""
@@ -87,4 +112,8 @@ class Decisions:
             parts.append(f"budget {self.budget_bytes} B")
         elif self.budget_scale is not None:
             parts.append(f"budget x{self.budget_scale:g}")
+        if self.calibration is not None:
+            compute, memory, overhead = self.calibration
+            per_op = "profile's" if overhead is None else f"{overhead * 1e6:.3g} us"
+            parts.append(f"costs calibrated (compute x{compute:.3g}, memory x{memory:.3g}, per op {per_op})")
         return "; ".join(parts)

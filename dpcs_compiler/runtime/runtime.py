@@ -14,13 +14,20 @@ over the ranks of a distributed job, and the policies (`runtime/policies.py`) pr
 rank 0 (`runtime/distributed.py`). A change takes effect at the next step: each graph runs the variant of
 the new decisions, compiled at its first call and cached (`runtime/variants.py`). A thrash guard allows at
 most `max_compiles` new variants per `compile_window` steps; beyond it the decisions hold and the log says so.
+
+It also times each step (from one `step` call to the next, steps that compiled left out) per variant.
+`calibrate_from_steps` fits the roofline to those times across the variants that recompute differently
+(`cost.calibration.fit_step_calibration`, on rank 0) and plans the variants compiled from then on with it.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import gc
 import logging
+import statistics
+import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -29,7 +36,10 @@ from typing import Any
 import torch
 
 from dpcs_compiler import rank_agreement
+from dpcs_compiler.cost.calibration import StepFit, StepSample, fit_step_calibration
+from dpcs_compiler.cost.profiles import resolve_profile
 from dpcs_compiler.options import parse_memory_budget
+from dpcs_compiler.report import compile_count
 from dpcs_compiler.runtime.curvature import CurvatureProbe
 from dpcs_compiler.runtime.decisions import Decisions, check_mode
 from dpcs_compiler.runtime.distributed import decide_on_rank_zero, reduce_signals
@@ -48,6 +58,7 @@ from dpcs_compiler.runtime.variants import (
 log = logging.getLogger("dpcs.runtime")
 
 STATE_VERSION = 1
+STEP_TIMES_KEPT = 64  # the latest step times kept per variant
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -153,6 +164,12 @@ class Runtime:
         self._launched_at: int | None = None
         self._closed = False
         self._warned_unbound = False
+        # Step times per variant key, and what each variant's plans recompute (`calibrate_from_steps`).
+        self.step_times: dict[str, collections.deque[float]] = {}
+        self._recomputes: dict[str, list[dict[str, float]] | None] = {}
+        self._timing: tuple[float, int] | None = None  # (when the step began, the compile count then)
+        self.calibration: tuple[float, float, float | None] | None = None
+        self.step_fit: StepFit | None = None
 
     # ---- what the runtime drives -------------------------------------------------------------------------
 
@@ -206,7 +223,73 @@ class Runtime:
             self._curvature = None
             changed = self._decide(self.collector.snapshot_from(vector, self.step_count))
         self._record_compiles()
+        self._time_step()
         return changed
+
+    # ---- step times and the calibration fitted to them ----------------------------------------------------
+
+    def _time_step(self) -> None:
+        """The time since the last `step` call is the step that just ran; kept, under the variants its graphs
+        ran (each graph's compiled variant, the step planner's included), unless something compiled during it
+        (a compile, not the step, would be timed)."""
+        now, count = time.perf_counter(), compile_count()
+        if self._timing is not None and self._timing[1] == count and self.control.dispatchers:
+            ran = "+".join(d.current_key or "-" for d in self.graphs)
+            self.step_times.setdefault(ran, collections.deque(maxlen=STEP_TIMES_KEPT)).append(now - self._timing[0])
+            self._recomputes[ran] = self._variant_recomputes()
+        self._timing = (now, count)
+
+    def _variant_recomputes(self) -> list[dict[str, float]] | None:
+        """What the current variants' training graphs recompute (None: a graph without a memory plan)."""
+        terms = []
+        for dispatcher in self.graphs:
+            training = [r for r in dispatcher.records.get(dispatcher.current_key) or () if r.mode == "training"]
+            if not training or any(r.recompute_terms is None for r in training):
+                return None
+            terms += [r.recompute_terms for r in training]
+        return terms
+
+    def step_samples(self, min_steps: int = 5) -> list[StepSample]:
+        """One sample per variant timed at least `min_steps` times whose graphs all have a memory plan: what
+        they recompute and the median of its step times."""
+        if isinstance(min_steps, bool) or not isinstance(min_steps, int) or min_steps < 1:
+            raise ValueError(f"Runtime min_steps={min_steps!r} is not valid; valid choices: an int >= 1")
+        return [
+            StepSample.of(self._recomputes[key], statistics.median(times))
+            for key, times in self.step_times.items()
+            if len(times) >= min_steps and self._recomputes.get(key)
+        ]
+
+    def calibrate_from_steps(self, min_steps: int = 5) -> StepFit:
+        """Fit the roofline to the step times of the variants timed so far (`fit_step_calibration`: needs two
+        variants that recompute differently, each timed `min_steps` times) and cost the plans of the variants
+        compiled from the next step on with it. Rank 0's fit is every rank's; every rank must call it at the
+        same step. A ValueError (too few variants) changes nothing."""
+
+        def fit() -> StepFit:
+            samples = self.step_samples(min_steps)
+            graphs = self.graphs
+            if not graphs:
+                raise ValueError("Runtime.calibrate_from_steps: no graph compiled with backend='dpcs' runs this model")
+            device = next((p.device for p in self.parameters), torch.device("cpu"))
+            profile = resolve_profile(graphs[0].options.hardware_profile, device).profile
+            return fit_step_calibration(samples, launch_overhead_s=profile.launch_overhead_s)
+
+        fitted = rank_agreement.from_rank_zero(fit, "step calibration") if rank_agreement.world() else fit()
+        self.step_fit = fitted
+        calibration = fitted.calibration
+        self.calibration = (calibration.compute_scale, calibration.memory_scale, calibration.overhead_s)
+        log.info("step %d: costs fitted to %d variants' step times: %s (residual %.3g ms)", self.step_count,
+                 fitted.samples, calibration, fitted.residual_s * 1e3)
+        if self.telemetry is not None:
+            self.telemetry.record({"step": self.step_count, "kind": "calibration", "fit": fitted.to_json()})
+        self._decide_now()
+        return fitted
+
+    def clear_calibration(self) -> None:
+        """Plan with each graph's roofline as compiled again, from the next step."""
+        self.calibration = self.step_fit = None
+        self._decide_now()
 
     def run_step(self, step_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run `step_fn(*args, **kwargs)` (forward, backward, optimizer step); on an out-of-memory error,
@@ -275,6 +358,8 @@ class Runtime:
             decisions = dataclasses.replace(decisions, precision=mode, fp32_regions=regions)
         if self.forced_budget is not None:
             decisions = dataclasses.replace(decisions, budget_bytes=self.forced_budget, budget_scale=None)
+        if self.calibration is not None:
+            decisions = dataclasses.replace(decisions, calibration=self.calibration)
         return decisions
 
     def _apply(self, decisions: Decisions) -> Decisions | None:
@@ -361,6 +446,7 @@ class Runtime:
             "signals": self.collector.state_dict(),
             "launched_at": self._launched_at,  # a read launched, taken at a later step (accelerators)
             "curvature": None if self.curvature is None else self.curvature.state_dict(),
+            "calibration": None if self.calibration is None else list(self.calibration),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -381,6 +467,8 @@ class Runtime:
         self.compile_steps = list(state["compile_steps"])
         self.collector.load_state_dict(state["signals"])
         self._launched_at = state.get("launched_at")
+        calibration = state.get("calibration")
+        self.calibration = None if calibration is None else tuple(calibration)
         if self.curvature is not None and state.get("curvature") is not None:
             self.curvature.load_state_dict(state["curvature"])
         decisions = state["decisions"]

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from dpcs_compiler.cost.op_time import Calibration
 from dpcs_compiler.cost.step_model import StepContext
 from dpcs_compiler.options import DpcsOptions, Fp8Options
 from dpcs_compiler.passes.analysis.op_sites import module_stack
@@ -170,6 +171,9 @@ def variant_options(base: DpcsOptions, decisions: Decisions | None, modules: fro
         if reference is None:
             raise ValueError("a budget scale needs the graph's reference bytes")
         changes.update(memory_budget=max(1, int(reference * decisions.budget_scale)), on_infeasible="best")
+    if decisions.calibration is not None:  # fitted to measured steps: replaces a per-op calibration
+        compute, memory, overhead = decisions.calibration
+        changes.update(calibration=Calibration(compute, memory, overhead), calibrate=False)
     return dataclasses.replace(base, **changes)
 
 

@@ -16,7 +16,8 @@ from dpcs_compiler import rank_agreement
 from dpcs_compiler.cost.budget import DeviceMemory, resolve_budget, torch_plan_limit
 from dpcs_compiler.cost.hardware import HardwareProfile
 from dpcs_compiler.cost.memory_model import OFFLOAD, RECOMPUTE, SAVE, MemoryProblem, plan_memory
-from dpcs_compiler.cost.op_time import node_seconds, transfer_seconds
+from dpcs_compiler.cost.calibration import recompute_terms
+from dpcs_compiler.cost.op_time import combine_seconds, roofline_terms, transfer_seconds
 from dpcs_compiler.cost.step_model import StepContext, in_step, least_held_cap
 from dpcs_compiler.debug.render import format_bytes
 from dpcs_compiler.passes.analysis import op_cost
@@ -146,7 +147,9 @@ def plan_memory_budget(
     fits the budget, that partition is the plan (`Plan.torch_plan`), nothing is solved, and it is returned
     beside the planning graph for the partition stage to compile (else None)."""
     ctx, options = job.ctx, job.options
-    calibration = None
+    calibration = options.calibration  # given (fitted to measured steps, `fit_step_calibration`), or:
+    if calibration is not None:
+        job.record.calibration = {**dataclasses.asdict(calibration), "source": "option"}
     if options.calibrate:
         with ctx.instrumented("plan", "calibrate"):
             resolved = job.hardware_profile(graph_device(joint))
@@ -169,11 +172,15 @@ def plan_memory_budget(
 
         fused = schedule.fused
 
-        def seconds(node: fx.Node) -> float:
+        def terms(node: fx.Node) -> tuple[float, float]:
+            """The node's roofline terms (compute, memory) by the profile."""
             cost = costs.get(node, no_cost)
             if node in fused:  # computed inside its readers' kernel: its own bytes never go through memory
                 cost = NodeCost(cost.flops, 0, 0)
-            return node_seconds(cost, value_dtype(node), profile, calibration)
+            return roofline_terms(cost, value_dtype(node), profile)
+
+        def seconds(node: fx.Node) -> float:
+            return combine_seconds(*terms(node), profile, calibration)
 
         # Offload is a host link's: the profile's (a GPU profile plans offloads even for a graph traced on CPU).
         transfer = (lambda nbytes: transfer_seconds(nbytes, profile)) if profile.host_to_device is not None else None
@@ -247,6 +254,9 @@ def plan_memory_budget(
     record.recomputed_values = decisions.count(RECOMPUTE)
     record.offloaded_values = decisions.count(OFFLOAD)
     record.plan_added_seconds = solution.added_seconds
+    record.recompute_terms = recompute_terms(
+        [terms(n) for c, d in zip(planning.candidates, decisions) if d == RECOMPUTE for n in c.recompute_nodes]
+    )
     job.finish()
     # After a re-plan the excess counted is another plan's: a plan the solver finds over may still fit once
     # its own compiled graphs are read. It is compiled, and `hold_to_budget` decides.

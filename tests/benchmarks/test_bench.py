@@ -30,7 +30,7 @@ def quick_run(tmp_path_factory, bench):
     torch._dynamo.reset()
     status = bench.main([
         "--quick", "--device", "cpu", "--models", "gpt", "--compiler", "eager", "--amb", "0.5",
-        "--dpcs-below", "0.85,0.7", "--steps", "2", "--warmup", "1", "--out", str(out), "--calibrate",
+        "--dpcs-below", "0.85,0.7", "--steps", "2", "--warmup", "1", "--out", str(out), "--calibrate", "steps",
     ])
     torch._dynamo.reset()
     return status, out
@@ -88,14 +88,23 @@ def test_quick_run_dpcs_points(quick_run):
             assert any(rec["mode"] == "training" for rec in r["records"])
             assert 0 < r["first_step_pass_s"] <= r["pass_s"] and 0 < r["pass_share"] < 1
     targets = model["targets"]
-    # --calibrate: each pairwise budget also ran calibrated, its fit in its records, compared in the targets.
+    # --calibrate steps: the roofline fitted to the measured steps of the uncalibrated points (each with what
+    # its plans recompute), each pairwise budget planned again with that fit and timed beside its uncalibrated
+    # plan, compared in the targets.
+    fit = model["step_calibration"]
+    measured = [r for r in dpcs.values() if r.get("step_s") is not None]
+    assert all(r["recompute_terms"] and set(r["recompute_terms"][0]) == {"compute_s", "memory_s", "ops"}
+               for r in measured)
+    assert fit["error"] is None and fit["samples"] == len(measured) >= 2
+    assert fit["compute_scale"] >= 0 and fit["memory_scale"] >= 0 and fit["base_s"] >= 0
     calibrated = {n: r for n, r in results.items() if r["kind"] == "dpcs" and r["calibrate"]}
-    assert {r["budget_bytes"] for r in calibrated.values()} == {
-        r["budget_bytes"] for r in dpcs.values() if r["budget_source"].startswith("peak of ")
-    }
-    assert all(n.startswith("dpcs_cal@") for n in calibrated)
-    assert all(rec["calibration"]["samples"] > 0 for r in calibrated.values() if r["error"] is None
+    pairwise = {n: r for n, r in dpcs.items() if r["budget_source"].startswith("peak of ") and r["error"] is None}
+    assert {r["budget_bytes"] for r in calibrated.values()} == {r["budget_bytes"] for r in pairwise.values()}
+    assert all(n.startswith("dpcs_stepcal@") and r["calibrate"] == "steps" for n, r in calibrated.items())
+    given = {k: fit[k] for k in ("compute_scale", "memory_scale", "overhead_s")}
+    assert all(rec["calibration"] == {**given, "source": "option"} for r in calibrated.values() if r["error"] is None
                for rec in r["records"] if rec["mode"] == "training")
+    assert all(len(r["paired_step_s_all"]) == 2 for r in [*calibrated.values(), *pairwise.values()] if r["error"] is None)
     assert set(targets["calibrated"]) == {n for n, r in calibrated.items() if r.get("step_s") is not None}
     assert set(targets["per_budget"]) == {n for n, r in dpcs.items() if r.get("step_s") is not None}
     assert targets["lowest_peak"]["required"] is True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -319,3 +320,70 @@ def test_a_graph_compiled_before_the_runtime_scales_its_own_plans_peak(monkeypat
     loose, tight = (graph.records[k][0] for k in graph.variants)
     assert graph.compiles == 2 and tight.budget_bytes == int(0.9 * loose.predicted_peak_bytes)
     assert runtime.state_dict()["references"] == {graph.fingerprint: loose.predicted_peak_bytes}
+
+
+def test_step_times_per_variant_fit_the_costs_of_later_plans(tmp_path):
+    """The runtime times each step per variant (steps that compiled left out), fits the roofline to the
+    variants that recompute differently, and plans the next variant with that fit; the fit survives a
+    restart, and too few variants is an error that changes nothing."""
+    from dpcs_compiler.models import workload
+
+    w = workload("gpt", 4)
+    compiled = dpcs_compile(w.model, memory_budget="1GiB")
+    runtime = Runtime(w.model, policies=[], signal_every=1, telemetry=tmp_path / "t.jsonl", telemetry_every=1)
+
+    def train_steps(steps):
+        for _ in range(steps):
+            w.model.zero_grad(set_to_none=True)
+            w.loss_fn(compiled(*w.inputs)).backward()
+            runtime.step()
+
+    train_steps(6)
+    [graph] = runtime.graphs
+    # timed from one step() to the next: 5 intervals, none of which compiled (the first step compiled before
+    # the first step() call)
+    assert runtime.step_samples(6) == [] and len(runtime.step_samples(5)) == 1
+    assert sum(len(t) for t in runtime.step_times.values()) == 5
+    with pytest.raises(ValueError, match="at least two plans that recompute differently"):
+        runtime.calibrate_from_steps(min_steps=1)
+    assert runtime.calibration is None and runtime.decisions.calibration is None
+    peak = graph.current_peak_bytes
+    for fraction in (0.9, 0.7):  # plans that recompute differently (GPT at these sizes: 6 and 10 values)
+        runtime.force_budget(int(peak * fraction))
+        train_steps(6)
+    samples = runtime.step_samples(5)
+    assert len(samples) == 3 and len({(s.compute_s, s.memory_s, s.ops) for s in samples}) == 3
+    fit = runtime.calibrate_from_steps()
+    assert fit.samples == 3 and fit.calibration.compute_scale >= 0 and fit.calibration.memory_scale >= 0
+    assert runtime.decisions.calibration == runtime.calibration
+    train_steps(2)
+    calibrated = graph.records[graph.current_key][0]
+    assert calibrated.calibration == {**dataclasses.asdict(fit.calibration), "source": "option"}
+    assert calibrated.budget_bytes == int(peak * 0.7) and calibrated.plan_feasible
+    runtime.telemetry.flush()
+    assert [e["fit"]["samples"] for e in read_telemetry(tmp_path / "t.jsonl") if e["kind"] == "calibration"] == [3]
+    state = json.loads(json.dumps(runtime.state_dict()))
+    restored = Runtime(w.model, policies=[])
+    restored.load_state_dict(state)
+    assert restored.calibration == runtime.calibration and restored.decisions == runtime.decisions
+    restored.clear_calibration()
+    assert restored.decisions.calibration is None
+    with pytest.raises(ValueError, match="min_steps"):
+        runtime.step_samples(0)
+
+
+def test_decisions_carry_a_calibration_into_the_variant_options():
+    from dpcs_compiler.cost.op_time import Calibration
+    from dpcs_compiler.options import DpcsOptions
+    from dpcs_compiler.runtime.variants import variant_options
+
+    base = DpcsOptions.from_dict({"memory_budget": 1000, "calibrate": True})
+    decisions = Decisions(calibration=(1.5, 0.0, None))
+    options = variant_options(base, decisions, frozenset(), None)
+    assert options.calibration == Calibration(1.5, 0.0, None) and options.calibrate is False
+    assert Decisions.from_json(json.loads(json.dumps(decisions.to_json()))) == decisions
+    assert Decisions().key() == Decisions.from_json({"precision": "fp32", "fp32_regions": [], "budget_scale": None,
+                                                     "budget_bytes": None}).key()
+    assert decisions.key() != Decisions().key() and "compute x1.5" in decisions.describe()
+    with pytest.raises(ValueError, match=r"Decisions.calibration=\(1.0, -1.0, None\) is not valid"):
+        Decisions(calibration=(1.0, -1.0, None))

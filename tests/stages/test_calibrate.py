@@ -81,3 +81,41 @@ def test_calibrate_and_keep_torch_plan_are_validated_and_off_by_default_hash_as_
     )
     assert DpcsOptions.from_dict({"memory_budget": 10, "calibrate": True}).fingerprint() != default.fingerprint()
     assert DpcsOptions.from_dict({"memory_budget": 10, "keep_torch_plan": False}).fingerprint() != default.fingerprint()
+
+
+def test_a_plan_records_what_it_recomputes_and_plans_with_a_given_calibration():
+    """Option `calibration` (a fit to measured steps) prices the plan: a plan that recomputes records its
+    terms, torch's plan at no pressure records what min-cut recomputes, and memory-bound recomputation made
+    free moves the plan toward it, with gradients still those of the uncalibrated plan."""
+    w = workload("gpt", 4)
+    low, _ = step(w, memory_budget=1, on_infeasible="best")
+    budget = int(low.predicted_peak_bytes * 1.15)
+    plain, grads = step(w, memory_budget=budget)
+    terms = plain.recompute_terms
+    assert plain.recomputed_values > 0 and terms["ops"] >= plain.recomputed_values
+    assert terms["compute_s"] >= 0 and terms["memory_s"] > 0
+    free, free_grads = step(w, memory_budget=budget, calibration={"compute_scale": 1.0, "memory_scale": 0.0, "overhead_s": 0.0})
+    assert free.calibration == {"compute_scale": 1.0, "memory_scale": 0.0, "overhead_s": 0.0, "source": "option"}
+    assert free.plan_feasible and free.predicted_peak_bytes <= budget
+    # Priced by the given calibration: its added time is the compute term of what it recomputes.
+    assert free.plan_added_seconds == pytest.approx(free.recompute_terms["compute_s"], rel=1e-9, abs=1e-12)
+    assert free.recompute_terms["compute_s"] <= terms["compute_s"] + 1e-12
+    for name, grad in grads.items():
+        torch.testing.assert_close(free_grads[name], grad)
+
+
+def test_calibration_option_is_validated_and_hashed():
+    from dpcs_compiler.options import DpcsOptions
+
+    with pytest.raises(ValueError, match=r"'calibration'=\{'scale': 2\} is not valid; valid choices: None, a Calibration"):
+        DpcsOptions.from_dict({"calibration": {"scale": 2}})
+    with pytest.raises(ValueError, match="memory_scale must be finite and >= 0"):
+        DpcsOptions.from_dict({"calibration": {"memory_scale": -0.5}})
+    with pytest.raises(ValueError, match="'calibrate'=True and 'calibration' both"):
+        DpcsOptions.from_dict({"calibrate": True, "calibration": {"compute_scale": 2.0}})
+    given = DpcsOptions.from_dict({"memory_budget": 10, "calibration": {"compute_scale": 2.0}})
+    assert given.calibration == Calibration(2.0, 1.0, None)
+    assert given.fingerprint() != DpcsOptions.from_dict({"memory_budget": 10}).fingerprint()
+    assert DpcsOptions.from_dict({"memory_budget": 10, "calibration": None}).fingerprint() == (
+        DpcsOptions.from_dict({"memory_budget": 10}).fingerprint()
+    )
