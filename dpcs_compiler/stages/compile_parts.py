@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -19,16 +20,28 @@ from dpcs_compiler.passes.analysis.inductor_schedule import (
     probe_scheduled_peak,
 )
 from dpcs_compiler.passes.analysis.tensor_bytes import size_hints
-from dpcs_compiler.passes.infra import Rewrite
+from dpcs_compiler.cost.memory_model import OFFLOAD
+from dpcs_compiler.passes.infra import Rewrite, copy_graph_module
+from dpcs_compiler.passes.rewrite.backward_order import apply_order, sunk_order
 from dpcs_compiler.passes.rewrite.fusion_guard import planned_fusion_choices
 from dpcs_compiler.passes.rewrite.overflow_check import OverflowCheck
 from dpcs_compiler.stages.job import GraphJob, has_symbolic_shapes
 from dpcs_compiler.stages.partition import JointPartitioner
 
+log = logging.getLogger("dpcs.pipeline")
+
 # The rewrites of each partitioned graph, in order. Empty stages are the hooks later capabilities fill.
 FORWARD_REWRITES: tuple[Rewrite, ...] = ()
 BACKWARD_REWRITES: tuple[Rewrite, ...] = (OverflowCheck(),)
 INFERENCE_REWRITES: tuple[Rewrite, ...] = ()
+
+
+class _Scheduled(Exception):
+    """Ends a trial compile once Inductor has scheduled the graph (`PartCompiler.scheduled_increase`)."""
+
+    def __init__(self, peak: ScheduledPeak) -> None:
+        super().__init__("scheduled")
+        self.peak = peak
 
 
 class PartCompiler:
@@ -85,6 +98,9 @@ class PartCompiler:
         gm = self.prepare(kind, gm)
         if self.job.options.memory_budget is None or kind == "inference":
             return compile_fx_inner(gm, example_inputs, *args, **kwargs)
+        if kind == "backward" and self.orders_by_schedule():
+            with self.job.ctx.instrumented("backward", "order_by_schedule"):
+                gm = self.lowest_scheduled_order(gm, example_inputs, *args, **kwargs)
         # Inductor's buffer pool keeps a dead buffer allocated until a later one of the same size takes it
         # over, which can hold memory across the peak the plan was made for (measured: +8% on a 2-layer GPT
         # with two recomputed MLP inputs). In-place reuse of dying inputs stays on; on CUDA the caching
@@ -124,6 +140,64 @@ class PartCompiler:
         else:  # Inductor scheduled nothing (no kernels): the partitioned graph is what runs
             self.job.hold_to_budget(dict(self.job.partition_excess), "its partitioned graphs")
         return compiled
+
+    def orders_by_schedule(self) -> bool:
+        """Whether the backward's order is chosen by Inductor's schedule of it (`lowest_scheduled_order`):
+        option backward_order "auto", a plan of dpcs's own that offloads nothing and that is over its budget
+        (the lowest plan dpcs can reach, compiled with on_infeasible="best"), whose sunk order simulates a
+        lower peak (`JointPartitioner.lowest_backward_order`), and a readable schedule."""
+        job = self.job
+        return (
+            job.options.backward_order == "auto" and job.plan.feasible is False and not job.plan.torch_plan
+            and not job.plan.decided(OFFLOAD) and job.sunk_simulates_lower and "backward" in job.graph_inputs
+            and probe_available()
+        )
+
+    def lowest_scheduled_order(self, gm: fx.GraphModule, example_inputs: Sequence[Any], *args: Any, **kwargs: Any
+                               ) -> fx.GraphModule:
+        """The backward in autograd's order or its sunk order (`passes.rewrite.backward_order`), whichever
+        Inductor schedules to the lower peak. Under Inductor the order given steers its fusion and reordering,
+        so the FX simulation cannot tell (measured both ways); each order is scheduled (lowered and fused, no
+        code generated) and the lower kept. Only for plans over their budget, where a lower peak is what is
+        missing: it costs two more lowerings of the backward."""
+        job = self.job
+        resident, present = job.graph_inputs["backward"]
+        sunk = copy_graph_module(gm)
+        if not apply_order(sunk.graph, sunk_order(sunk.graph, resident)):
+            return gm
+        sunk.recompile()
+        peaks = {}
+        for name, graph in (("autograd", gm), ("sunk", sunk)):
+            peaks[name] = self.scheduled_increase(graph, example_inputs, resident, present, *args, **kwargs)
+        log.info("%s: backward scheduled to %s B above its start in autograd's order, %s B sunk", job.record.graph,
+                 peaks["autograd"], peaks["sunk"])
+        if None in peaks.values() or peaks["sunk"] >= peaks["autograd"]:
+            return gm
+        job.record.backward_order = "sunk"
+        return sunk
+
+    def scheduled_increase(self, gm: fx.GraphModule, example_inputs: Sequence[Any], resident: frozenset[str],
+                           present: frozenset[str], *args: Any, **kwargs: Any) -> int | None:
+        """Inductor's scheduled peak of `gm` above its start, as the compile would schedule it, read after
+        fusion and before any code is generated (the compile stops there); None if it cannot be read."""
+        from torch._inductor.compile_fx import compile_fx_inner
+        from torch._inductor.exc import InductorError
+
+        def stop(peak: ScheduledPeak) -> None:
+            raise _Scheduled(peak)
+
+        trial = copy_graph_module(gm)
+        with torch._inductor.config.patch(allow_buffer_reuse=False), planned_fusion_choices(), \
+                probe_scheduled_peak(resident=resident, present=present, check=stop):
+            try:
+                compile_fx_inner(trial, example_inputs, *args, **kwargs)
+            except InductorError as error:
+                if isinstance(error.inner_exception, _Scheduled):
+                    return error.inner_exception.peak.increase_bytes
+                raise
+            except _Scheduled as scheduled:
+                return scheduled.peak.increase_bytes
+        return None  # compiled without a reading (no kernels)
 
     def check_schedule(self, kind: str, scheduled: ScheduledPeak) -> None:
         """Hold Inductor's schedule of a planned graph to the budget (`GraphJob.hold_to_budget`).
