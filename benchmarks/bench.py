@@ -391,7 +391,7 @@ def time_interleaved(strategies: Sequence[Strategy], *, steps: int, warmup: int,
         if strategy.times:
             strategy.result[field] = statistics.median(strategy.times)
             strategy.result[field + "_all"] = strategy.times
-        strategy.result["recompiles_while_timing"] = recompiled
+        strategy.result["recompiles_while_timing" if field == "step_s" else f"recompiles_while_{field}"] = recompiled
 
 
 def run_model(name: str, args: argparse.Namespace, device: torch.device, log: Callable[[str], None]) -> dict[str, Any]:
@@ -459,6 +459,7 @@ def step_samples(strategies: Sequence[Strategy]) -> list[Any]:
         for s in strategies
         if s.kind == "dpcs" and not s.result.get("calibrate") and s.result.get("step_s") is not None
         and s.result.get("recompute_terms") and not s.result.get("fallback")
+        and not s.result.get("offloaded_values")  # copy time is not among the terms
     ]
 
 
@@ -501,6 +502,7 @@ def calibrate_from_steps(name: str, strategies: list[Strategy], base: LossModule
     for s in pairs:  # a calibrated point's own time is its paired time (measured beside its uncalibrated plan)
         if s.result.get("calibrate") == "steps" and s.result.get("paired_step_s") is not None:
             s.result["step_s"], s.result["step_s_all"] = s.result["paired_step_s"], s.result["paired_step_s_all"]
+            s.result["recompiles_while_timing"] = s.result["recompiles_while_paired_step_s"]
     return {**fit.to_json(), "error": None}
 
 

@@ -393,7 +393,7 @@ class DpcsOptions:
             del relevant["keep_torch_plan"]
         if not relevant["calibrate"]:
             del relevant["calibrate"]
-        if relevant["calibration"] is None:
+        if relevant["calibration"] is None or self.memory_budget is None:  # without a budget: no plan to cost
             del relevant["calibration"]
         if relevant["backward_order"] == "auto":
             del relevant["backward_order"]

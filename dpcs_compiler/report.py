@@ -18,6 +18,9 @@ class CompileRecord:
     forward_nodes: int = 0
     backward_nodes: int = 0
     backward_order: str = "autograd"  # the backward's node order compiled: autograd's, or a sunk one (`backward_order`)
+    # Under Inductor, the lowest plan: each order's scheduled backward peak above its start ({"autograd": B,
+    # "sunk": B}), the lower compiled (`PartCompiler.lowest_scheduled_order`); None: not scheduled twice.
+    backward_order_scheduled: dict[str, int | None] | None = None
     saved_values: int = 0
     saved_bytes: int = 0
     resident_bytes: int = 0

@@ -237,6 +237,7 @@ class StepFit:
 
 
 STEP_TERMS = ("compute_scale", "memory_scale", "overhead_s")
+MARGIN = 0.02  # a subset with more terms is chosen only if its held-out error is this much lower (relative; and 1 ns)
 
 
 def _separable(terms: np.ndarray, columns: Sequence[int]) -> list[int]:
@@ -267,8 +268,8 @@ def _fit_terms(terms: np.ndarray, measured: np.ndarray, identity: np.ndarray, co
 
 
 def _held_out(terms: np.ndarray, measured: np.ndarray, identity: np.ndarray, columns: Sequence[int]) -> float | None:
-    """Leave-one-out RMS error of fitting `columns` (None: fewer than two samples left to fit on once one is
-    held out, or a column the remaining samples cannot tell apart)."""
+    """Leave-one-out RMS error of fitting `columns` (None: with one sample held out, fewer samples left than
+    the columns plus the base time, or a column the remaining samples cannot tell apart)."""
     n = len(measured)
     if n - 1 < len(columns) + 1:
         return None
@@ -293,12 +294,14 @@ def fit_step_calibration(samples: Sequence[StepSample], *, launch_overhead_s: fl
     Which terms are fitted is chosen by how well they predict a plan they were not fitted to: every subset of
     the three terms the samples can tell apart (a term constant over them, or one that moves only in step with
     the terms before it, cannot be) is scored by its leave-one-out error, the empty subset (the profile's
-    roofline, only base_s fitted) included, and the lowest error wins (ties: fewer terms). A term not fitted
-    keeps the profile's value (scale 1, overhead `launch_overhead_s`). A few noisy steps of plans whose terms
-    rise together thus keep the roofline instead of a fit that explains them and mispredicts the next plan.
+    roofline, only base_s fitted) included. The fewest terms within MARGIN of the lowest error win, so a term
+    is fitted only where it predicts held-out plans clearly better. A term not fitted keeps the profile's value
+    (scale 1; the overhead None, the profile's own). A few noisy steps of plans whose terms rise together thus
+    keep the roofline instead of a fit that explains them and mispredicts the next plan. Holding one sample
+    out, fitting k terms takes k + 2 samples: with two samples the roofline is kept.
 
     At least two samples that recompute differently are needed: fewer is a ValueError, as is a negative or
-    non-finite launch overhead.
+    non-finite launch overhead (the profile's, used for the per-op term while it is not fitted).
     """
     if not 0 <= launch_overhead_s < float("inf"):
         raise ValueError(f"fit_step_calibration: launch_overhead_s must be finite and >= 0, got {launch_overhead_s}")
@@ -313,13 +316,15 @@ def fit_step_calibration(samples: Sequence[StepSample], *, launch_overhead_s: fl
     identity = np.array([1.0, 1.0, launch_overhead_s])
     separable = _separable(terms, range(3))
     subsets = [list(c) for size in range(len(separable) + 1) for c in itertools.combinations(separable, size)]
-    scored = [(error, len(c), c) for c in subsets if (error := _held_out(terms, measured, identity, c)) is not None]
-    roofline = next((e for e, _, c in scored if not c), None)
-    held_out, _, chosen = min(scored, key=lambda t: (round(t[0], 12), t[1])) if scored else (None, 0, separable)
+    # Two distinct samples give the empty subset a score: `scored` is never empty.
+    scored = [(error, c) for c in subsets if (error := _held_out(terms, measured, identity, c)) is not None]
+    roofline = next(e for e, c in scored if not c)
+    best = min(e for e, _ in scored)
+    held_out, chosen = min(((e, c) for e, c in scored if e <= best * (1 + MARGIN) + 1e-9), key=lambda t: (len(t[1]), t[0]))
     values, base, free = _fit_terms(terms, measured, identity, chosen)
     residual = measured - base - terms @ values
     return StepFit(
-        calibration=Calibration(float(values[0]), float(values[1]), float(values[2])),
+        calibration=Calibration(float(values[0]), float(values[1]), float(values[2]) if 2 in free else None),
         base_s=base,
         fitted=tuple(STEP_TERMS[k] for k in free),
         samples=len(samples),

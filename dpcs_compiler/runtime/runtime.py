@@ -197,6 +197,7 @@ class Runtime:
         step (they apply from the next step), else None."""
         if self._closed:
             raise RuntimeError("this Runtime was closed")
+        ended = time.perf_counter()  # the training step ran until this call (the runtime's own work is not timed)
         del optimizer  # accepted for the loop's symmetry; the gradients are read from the parameters
         self.step_count += 1
         self.collector.collect(loss=loss, scaler=scaler, gradients=self.step_count % self.config.grad_norm_every == 0)
@@ -223,35 +224,41 @@ class Runtime:
             self._curvature = None
             changed = self._decide(self.collector.snapshot_from(vector, self.step_count))
         self._record_compiles()
-        self._time_step()
+        self._time_step(ended)
         return changed
 
     # ---- step times and the calibration fitted to them ----------------------------------------------------
 
-    def _time_step(self) -> None:
-        """The time since the last `step` call is the step that just ran; kept, under the variants its graphs
-        ran (each graph's compiled variant, the step planner's included), unless something compiled during it
-        (a compile, not the step, would be timed)."""
-        now, count = time.perf_counter(), compile_count()
-        if self._timing is not None and self._timing[1] == count and self.control.dispatchers:
-            ran = "+".join(d.current_key or "-" for d in self.graphs)
-            self.step_times.setdefault(ran, collections.deque(maxlen=STEP_TIMES_KEPT)).append(now - self._timing[0])
-            self._recomputes[ran] = self._variant_recomputes()
-        self._timing = (now, count)
+    def _time_step(self, ended: float) -> None:
+        """The time from the end of the last `step` call to the start of this one is the training step that
+        just ran; kept, under the variants its training graphs ran (each graph's compiled variant, the step
+        planner's included), unless something compiled meanwhile (a compile, not the step, would be timed).
+        Host time: on CUDA it is the device's step when the loop waits for it (reading its loss each step)."""
+        count = compile_count()
+        training = self._training_records()
+        if self._timing is not None and self._timing[1] == count and training:
+            ran = "+".join(f"{d.name}:{d.current_key}" for d, _ in training)
+            self.step_times.setdefault(ran, collections.deque(maxlen=STEP_TIMES_KEPT)).append(ended - self._timing[0])
+            records = [r for _, rs in training for r in rs]
+            # A graph without a memory plan, or a plan that offloads (its copy time is not among the terms):
+            # no sample.
+            usable = all(r.recompute_terms is not None and not r.offloaded_values for r in records)
+            self._recomputes[ran] = [r.recompute_terms for r in records] if usable else None
+        self._timing = (time.perf_counter(), count)
 
-    def _variant_recomputes(self) -> list[dict[str, float]] | None:
-        """What the current variants' training graphs recompute (None: a graph without a memory plan)."""
-        terms = []
+    def _training_records(self) -> list[tuple[GraphDispatcher, list[Any]]]:
+        """Each graph whose current variant is a training graph, with that variant's training records (an
+        inference graph of the same model is not part of a training step's time)."""
+        out = []
         for dispatcher in self.graphs:
-            training = [r for r in dispatcher.records.get(dispatcher.current_key) or () if r.mode == "training"]
-            if not training or any(r.recompute_terms is None for r in training):
-                return None
-            terms += [r.recompute_terms for r in training]
-        return terms
+            records = [r for r in dispatcher.records.get(dispatcher.current_key) or () if r.mode == "training"]
+            if records:
+                out.append((dispatcher, records))
+        return out
 
     def step_samples(self, min_steps: int = 5) -> list[StepSample]:
-        """One sample per variant timed at least `min_steps` times whose graphs all have a memory plan: what
-        they recompute and the median of its step times."""
+        """One sample per variant timed at least `min_steps` times whose training graphs all have a memory plan
+        that offloads nothing: what they recompute and the median of its step times."""
         if isinstance(min_steps, bool) or not isinstance(min_steps, int) or min_steps < 1:
             raise ValueError(f"Runtime min_steps={min_steps!r} is not valid; valid choices: an int >= 1")
         return [
@@ -262,9 +269,11 @@ class Runtime:
 
     def calibrate_from_steps(self, min_steps: int = 5) -> StepFit:
         """Fit the roofline to the step times of the variants timed so far (`fit_step_calibration`: needs two
-        variants that recompute differently, each timed `min_steps` times) and cost the plans of the variants
-        compiled from the next step on with it. Rank 0's fit is every rank's; every rank must call it at the
-        same step. A ValueError (too few variants) changes nothing."""
+        variants that recompute differently, each timed `min_steps` times; fitting k terms takes k + 2) and,
+        if it fits any term, cost the plans of the variants compiled from the next step on with it; a fit
+        that keeps the profile's roofline changes nothing (no variant is compiled again for the same costs).
+        Rank 0's fit is every rank's; every rank must call it at the same step. Too few variants: ValueError
+        (on the other ranks of a job, RuntimeError naming rank 0's), and nothing changes."""
 
         def fit() -> StepFit:
             samples = self.step_samples(min_steps)
@@ -278,11 +287,15 @@ class Runtime:
         fitted = rank_agreement.from_rank_zero(fit, "step calibration") if rank_agreement.world() else fit()
         self.step_fit = fitted
         calibration = fitted.calibration
+        if self.telemetry is not None:
+            self.telemetry.record({"step": self.step_count, "kind": "calibration", "fit": fitted.to_json()})
+        if not fitted.fitted:
+            log.info("step %d: %d variants' step times keep the profile's roofline (held-out error %.3g ms)",
+                     self.step_count, fitted.samples, (fitted.held_out_s or 0.0) * 1e3)
+            return fitted
         self.calibration = (calibration.compute_scale, calibration.memory_scale, calibration.overhead_s)
         log.info("step %d: costs fitted to %d variants' step times: %s (residual %.3g ms)", self.step_count,
                  fitted.samples, calibration, fitted.residual_s * 1e3)
-        if self.telemetry is not None:
-            self.telemetry.record({"step": self.step_count, "kind": "calibration", "fit": fitted.to_json()})
         self._decide_now()
         return fitted
 
@@ -468,7 +481,9 @@ class Runtime:
         self.collector.load_state_dict(state["signals"])
         self._launched_at = state.get("launched_at")
         calibration = state.get("calibration")
-        self.calibration = None if calibration is None else tuple(calibration)
+        # Checked here (Decisions validates it), not at the next decision.
+        self.calibration = None if calibration is None else Decisions(calibration=tuple(calibration)).calibration
+        self._timing = None  # the first interval after a restore would span the restore
         if self.curvature is not None and state.get("curvature") is not None:
             self.curvature.load_state_dict(state["curvature"])
         decisions = state["decisions"]

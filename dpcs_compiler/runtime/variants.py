@@ -171,7 +171,9 @@ def variant_options(base: DpcsOptions, decisions: Decisions | None, modules: fro
         if reference is None:
             raise ValueError("a budget scale needs the graph's reference bytes")
         changes.update(memory_budget=max(1, int(reference * decisions.budget_scale)), on_infeasible="best")
-    if decisions.calibration is not None:  # fitted to measured steps: replaces a per-op calibration
+    if decisions.calibration is not None and changes.get("memory_budget", base.memory_budget) is not None:
+        # Fitted to measured steps: replaces a per-op calibration. A graph without a budget has no plan to
+        # cost (and is not compiled again for it).
         compute, memory, overhead = decisions.calibration
         changes.update(calibration=Calibration(compute, memory, overhead), calibrate=False)
     return dataclasses.replace(base, **changes)

@@ -100,7 +100,16 @@ class PartCompiler:
             return compile_fx_inner(gm, example_inputs, *args, **kwargs)
         if kind == "backward" and self.orders_by_schedule():
             with self.job.ctx.instrumented("backward", "order_by_schedule"):
-                gm = self.lowest_scheduled_order(gm, example_inputs, *args, **kwargs)
+                try:
+                    gm = self.lowest_scheduled_order(gm, example_inputs, *args, **kwargs)
+                except Exception as error:  # an optional lowering: the plan compiles in autograd's order
+                    if self.job.options.strict:
+                        raise
+                    warnings.warn(
+                        f"dpcs could not schedule the sunk order of {self.job.record.graph}'s backward "
+                        f"({type(error).__name__}: {error}); compiling autograd's order",
+                        stacklevel=2,
+                    )
         # Inductor's buffer pool keeps a dead buffer allocated until a later one of the same size takes it
         # over, which can hold memory across the peak the plan was made for (measured: +8% on a 2-layer GPT
         # with two recomputed MLP inputs). In-place reuse of dying inputs stays on; on CUDA the caching
@@ -171,6 +180,7 @@ class PartCompiler:
             peaks[name] = self.scheduled_increase(graph, example_inputs, resident, present, *args, **kwargs)
         log.info("%s: backward scheduled to %s B above its start in autograd's order, %s B sunk", job.record.graph,
                  peaks["autograd"], peaks["sunk"])
+        job.record.backward_order_scheduled = dict(peaks)
         if None in peaks.values() or peaks["sunk"] >= peaks["autograd"]:
             return gm
         job.record.backward_order = "sunk"

@@ -94,11 +94,13 @@ class JointPartitioner(CustomPartitionerFn):
             else:
                 step, timeline, live = self.step_analyses(forward, backward, num_fwd_outputs)
                 job.sunk_simulates_lower, job.record.backward_order = False, "autograd"
+                job.record.backward_order_scheduled = None
                 if job.options.memory_budget is not None and not job.plan.decided(OFFLOAD):
                     if job.options.sinks_backward:
                         step, timeline, live = self.lowest_backward_order(forward, backward, num_fwd_outputs,
                                                                           (step, timeline, live))
-                    elif job.options.backward_order == "auto" and job.plan.feasible is False:
+                    elif (job.options.backward_order == "auto" and job.plan.feasible is False
+                          and job.options.compiler == "inductor" and probe_available()):
                         # Under Inductor, over the budget: Inductor's schedule of both orders decides, if the
                         # sunk one simulates lower (`PartCompiler.lowest_scheduled_order`).
                         self.lowest_backward_order(forward, backward, num_fwd_outputs, (step, timeline, live),
