@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from dpcs_compiler import checkpoint
+from checkpoint_rank_worker import RUN_STEPS  # steps of a trial's loop, a checkpoint after each
 from dpcs_testing import run_rank_processes
 
 WORKER = Path(__file__).resolve().parent / "checkpoint_rank_worker.py"
@@ -29,14 +30,22 @@ def commands(tmp: Path, name: str, directory: Path, ready: Path | None = None) -
              str(tmp / f"{name}{rank}.pt"), "run", *([str(ready)] if ready else [])] for rank in range(2)]
 
 
+AFTER = (0, 3, 1, 5, 2, 6, 4, 1)  # committed checkpoints before each trial's kill
 SURVIVOR_S = 60  # a rank whose peer was killed fails within this (its next collective), never hangs
 
 
-def killed_at(tmp: Path, name: str, directory: Path, delay: float, victims: tuple[int, ...] = (0, 1)
-              ) -> tuple[bool, float]:
-    """Start both ranks, and SIGKILL the `victims` `delay` seconds after rank 0's loop starts (both: the job
-    dies, as on a lost node; one: the other must fail on its own within SURVIVOR_S). Returns whether a rank
-    was killed (not finished first), and the seconds from the loop's start to the end of both."""
+def committed(directory: Path) -> int:
+    """The newest step committed in `directory` (0: none), from the names alone (polled while ranks save)."""
+    steps = [int(p.name.removeprefix("step_")) for p in directory.glob("step_*") if p.name[5:].isdigit()]
+    return max(steps, default=0)
+
+
+def killed_at(tmp: Path, name: str, directory: Path, delay: float, victims: tuple[int, ...] = (0, 1),
+              after: int = 0) -> tuple[bool, float]:
+    """Start both ranks, and SIGKILL the `victims` `delay` seconds after rank 0's loop starts, or after the
+    checkpoint of step `after` is committed (both: the job dies, as on a lost node; one: the other must fail
+    on its own within SURVIVOR_S). Returns whether a rank was killed (not finished first), and the seconds
+    from the loop's start to the end of both."""
     ready = tmp / f"{name}.ready"
     logs = [open(tmp / f"{name}{rank}.log", "w") for rank in range(2)]
     processes = [subprocess.Popen(c, env=ENV, stdout=log, stderr=subprocess.STDOUT)
@@ -47,7 +56,11 @@ def killed_at(tmp: Path, name: str, directory: Path, delay: float, victims: tupl
             assert time.monotonic() < deadline, "the ranks never started their loop"
             time.sleep(0.01)
         started = time.monotonic()
-        while time.monotonic() - started < delay and any(p.poll() is None for p in processes):
+        while after and committed(directory) < after and all(p.poll() is None for p in processes):
+            assert time.monotonic() - started < 120, f"{name}: step {after} was never committed"
+            time.sleep(0.002)
+        counted = time.monotonic()
+        while time.monotonic() - counted < delay and any(p.poll() is None for p in processes):
             time.sleep(0.002)
         for rank in victims:
             if processes[rank].poll() is None:
@@ -83,9 +96,13 @@ def test_a_job_killed_while_saving_resumes_and_ends_as_one_never_killed(tmp_path
     killed = in_save = resumed_from = 0
     for trial in range(TRIALS):
         directory = tmp_path / f"trial{trial}"
-        # A kill at a random point of the loop (saves are most of it), then a run to the end.
+        # A kill at a random point of a step (saves are most of it), after a number of committed checkpoints
+        # that goes round 0..RUN_STEPS-2 (counted, not timed: another process slowing the ranks down moves
+        # no kill out of the loop), then a run to the end.
         victims = (0, 1) if trial % 2 == 0 else (trial // 2 % 2,)  # both, rank 0 alone, both, rank 1 alone, ...
-        killed += killed_at(tmp_path, f"t{trial}k", directory, rng.uniform(0.0, 0.8 * loop), victims)[0]
+        after = AFTER[trial % len(AFTER)]
+        killed += killed_at(tmp_path, f"t{trial}k", directory, rng.uniform(0.0, loop / RUN_STEPS), victims,
+                            after=after)[0]
         in_save += any(directory.glob(".step_*.partial"))  # killed between a save's start and its commit
         newest = checkpoint.latest(directory)
         assert not list(directory.glob("step_*")) or newest is not None, "a committed checkpoint always checks"
@@ -93,6 +110,7 @@ def test_a_job_killed_while_saving_resumes_and_ends_as_one_never_killed(tmp_path
         results = [torch.load(tmp_path / f"t{trial}end{rank}.pt") for rank in range(2)]
         want = 0 if newest is None else int(newest.name.removeprefix("step_"))
         assert all(r["start"] == want for r in results), (trial, want, [r["start"] for r in results])
+        assert want >= after, (trial, want, after)  # a committed checkpoint is never lost
         resumed_from += want > 0
         for a, b in zip(expected, results[0]["parameters"]):
             assert torch.equal(a, b), trial

@@ -55,7 +55,8 @@ def test_planned_steps_match_unplanned_numerics_with_dropout(compiler):
     low, high = reachable_range(w, compiler)
     torch._dynamo.reset()
     expected = step_gradients(w.model, dpcs_compile(w.model, compiler), w.inputs, w.loss_fn)
-    for budget in (high, (low + high) // 2, low):
+    # Under Inductor the lowest plan only (the most recomputed dropout; Inductor's compile is the cost here).
+    for budget in (high, (low + high) // 2, low) if compiler == "eager" else (low,):
         torch._dynamo.reset()
         clear_compile_records()
         compiled = dpcs_compile(w.model, compiler, memory_budget=budget, on_infeasible="best")
