@@ -407,11 +407,8 @@ def _calibration(value: Any) -> Calibration | None:
     valid = "None, a Calibration, or a dict of compute_scale, memory_scale and overhead_s (>= 0; overhead_s may be None)"
     if not isinstance(value, dict) or not value or set(value) - set(CALIBRATION_FIELDS):
         raise ValueError(f"dpcs option 'calibration'={value!r} is not valid; valid choices: {valid}")
-    if any(isinstance(v, bool) or not (isinstance(v, (int, float)) or (k == "overhead_s" and v is None))
-           for k, v in value.items()):
-        raise ValueError(f"dpcs option 'calibration'={value!r} is not valid; valid choices: {valid}")
     try:
-        return Calibration(**{k: (float(v) if v is not None else None) for k, v in value.items()})
+        return Calibration(**value)
     except ValueError as error:
         raise ValueError(f"dpcs option 'calibration'={value!r} is not valid ({error}); valid choices: {valid}") from None
 

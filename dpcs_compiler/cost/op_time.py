@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 import torch
 
@@ -32,11 +33,14 @@ class Calibration:
     overhead_s: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("compute_scale", "memory_scale"):
-            if not 0 <= getattr(self, name) < math.inf:
-                raise ValueError(f"calibration: {name} must be finite and >= 0, got {getattr(self, name)}")
-        if self.overhead_s is not None and not 0 <= self.overhead_s < math.inf:
-            raise ValueError(f"calibration: overhead_s must be finite and >= 0, got {self.overhead_s}")
+        for name in ("compute_scale", "memory_scale", "overhead_s"):
+            value = getattr(self, name)
+            if value is None and name == "overhead_s":
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < math.inf:
+                also = " or None" if name == "overhead_s" else ""
+                raise ValueError(f"calibration: {name} must be a finite number >= 0{also}, got {value!r}")
+            object.__setattr__(self, name, float(value))  # a numpy scalar hashes and serializes as a float
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:

@@ -15,6 +15,8 @@ import hashlib
 import json
 from typing import Any
 
+from dpcs_compiler.cost.op_time import Calibration
+
 PRECISION_MODES = ("fp32", "bf16", "fp16", "fp8")
 # How much precision a mode keeps: a ladder of modes must strictly decrease in it.
 MODE_RANK = {"fp32": 3, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -69,18 +71,16 @@ class Decisions:
             raise ValueError(f"Decisions.budget_bytes={self.budget_bytes!r} is not valid; valid choices: None or bytes > 0")
         if self.calibration is not None:
             value = self.calibration
-            if (
-                isinstance(value, (str, bytes)) or not hasattr(value, "__len__") or len(value) != 3
-                or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf")
-                       for v in value[:2])
-                or not (value[2] is None or (not isinstance(value[2], bool) and isinstance(value[2], (int, float))
-                                             and 0 <= value[2] < float("inf")))
-            ):
+            try:
+                if isinstance(value, (str, bytes, dict)) or len(value) != 3:
+                    raise ValueError("three values expected")
+                fields = dataclasses.astuple(Calibration(*value))
+            except (TypeError, ValueError) as error:
                 raise ValueError(
-                    f"Decisions.calibration={value!r} is not valid; valid choices: None or (compute_scale, "
+                    f"Decisions.calibration={value!r} is not valid ({error}); valid choices: None or (compute_scale, "
                     "memory_scale, overhead_s), each finite and >= 0 (overhead_s may be None)"
-                )
-            object.__setattr__(self, "calibration", tuple(None if v is None else float(v) for v in value))
+                ) from None
+            object.__setattr__(self, "calibration", fields)
 
     def to_json(self) -> dict[str, Any]:
         data = {**dataclasses.asdict(self), "fp32_regions": list(self.fp32_regions)}

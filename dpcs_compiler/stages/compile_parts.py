@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -42,6 +42,22 @@ class _Scheduled(Exception):
     def __init__(self, peak: ScheduledPeak) -> None:
         super().__init__("scheduled")
         self.peak = peak
+
+
+@contextlib.contextmanager
+def lowering_as_planned(torchs: bool) -> Iterator[Any]:
+    """Inductor's settings for lowering a partitioned graph; yields the fusion guard (None for torch's plan).
+
+    Inductor's buffer pool keeps a dead buffer allocated until a later one of the same size takes it over,
+    which can hold memory across the peak the plan was made for (measured: +8% on a 2-layer GPT with two
+    recomputed MLP inputs), so it is off for dpcs's plans; in-place reuse of dying inputs stays on, and on
+    CUDA the caching allocator reuses freed memory anyway. Fusions that would raise the planned peak are
+    refused (`planned_fusion_choices`). Torch's own partition (kept: it fits) is lowered as plain Inductor
+    lowers it.
+    """
+    with torch._inductor.config.patch(allow_buffer_reuse=torchs and torch._inductor.config.allow_buffer_reuse), \
+            (contextlib.nullcontext(None) if torchs else planned_fusion_choices()) as guard:
+        yield guard
 
 
 class PartCompiler:
@@ -110,16 +126,8 @@ class PartCompiler:
                         f"({type(error).__name__}: {error}); compiling autograd's order",
                         stacklevel=2,
                     )
-        # Inductor's buffer pool keeps a dead buffer allocated until a later one of the same size takes it
-        # over, which can hold memory across the peak the plan was made for (measured: +8% on a 2-layer GPT
-        # with two recomputed MLP inputs). In-place reuse of dying inputs stays on; on CUDA the caching
-        # allocator reuses freed memory anyway.
-        # Torch's own partition (kept: it fits) is compiled as plain Inductor compiles it, its schedule read.
-        torchs = self.job.plan.torch_plan
-        with torch._inductor.config.patch(allow_buffer_reuse=torchs and torch._inductor.config.allow_buffer_reuse), \
-                contextlib.ExitStack() as stack:
+        with lowering_as_planned(self.job.plan.torch_plan) as guard, contextlib.ExitStack() as stack:
             probe = None
-            guard = stack.enter_context(contextlib.nullcontext(None) if torchs else planned_fusion_choices())
             if kind in self.job.graph_inputs and probe_available():
                 resident, present = self.job.graph_inputs[kind]
                 # Checked as soon as Inductor has fused it: a plan over the budget is re-made before any code
@@ -197,8 +205,7 @@ class PartCompiler:
             raise _Scheduled(peak)
 
         trial = copy_graph_module(gm)
-        with torch._inductor.config.patch(allow_buffer_reuse=False), planned_fusion_choices(), \
-                probe_scheduled_peak(resident=resident, present=present, check=stop):
+        with lowering_as_planned(torchs=False), probe_scheduled_peak(resident=resident, present=present, check=stop):
             try:
                 compile_fx_inner(trial, example_inputs, *args, **kwargs)
             except InductorError as error:

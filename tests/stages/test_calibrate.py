@@ -109,8 +109,11 @@ def test_calibration_option_is_validated_and_hashed():
 
     with pytest.raises(ValueError, match=r"'calibration'=\{'scale': 2\} is not valid; valid choices: None, a Calibration"):
         DpcsOptions.from_dict({"calibration": {"scale": 2}})
-    with pytest.raises(ValueError, match="memory_scale must be finite and >= 0"):
+    with pytest.raises(ValueError, match="memory_scale must be a finite number >= 0, got -0.5"):
         DpcsOptions.from_dict({"calibration": {"memory_scale": -0.5}})
+    for bad in ({"compute_scale": True}, {"memory_scale": "2"}, {"overhead_s": float("nan")}):
+        with pytest.raises(ValueError, match=r"'calibration'=.* is not valid \(calibration: \w+ must be a finite"):
+            DpcsOptions.from_dict({"calibration": bad})
     with pytest.raises(ValueError, match="'calibrate'=True and 'calibration' both"):
         DpcsOptions.from_dict({"calibrate": True, "calibration": {"compute_scale": 2.0}})
     given = DpcsOptions.from_dict({"memory_budget": 10, "calibration": {"compute_scale": 2.0}})
