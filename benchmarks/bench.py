@@ -212,7 +212,7 @@ def dpcs_budgets(upstream: Sequence[Strategy], below: Sequence[float]) -> list[t
     return out
 
 
-CALIBRATED_PREFIX = {"ops": "dpcs_cal", "steps": "dpcs_stepcal"}
+CALIBRATED_PREFIX = {"ops": "dpcs_cal", "steps": "dpcs_stepcal", "steps_refined": "dpcs_stepcal2"}
 
 
 def dpcs_strategy(budget: int, source: str, compiler: str, strict: bool = True, calibrate: str | None = None,
@@ -224,12 +224,13 @@ def dpcs_strategy(budget: int, source: str, compiler: str, strict: bool = True, 
         options["strict"] = True
     if calibrate == "ops":  # costed with the roofline fitted to the graph's own ops (`stages/calibrate.py`)
         options["calibrate"] = True
-    elif calibrate == "steps":
+    elif calibrate in ("steps", "steps_refined"):
         if calibration is None:
             raise ValueError("dpcs_strategy: calibrate='steps' needs the calibration fitted to measured steps")
         options["calibration"] = dict(calibration)
     elif calibrate is not None:
-        raise ValueError(f"dpcs_strategy: calibrate={calibrate!r} is not valid; valid choices: None, 'ops', 'steps'")
+        raise ValueError(f"dpcs_strategy: calibrate={calibrate!r} is not valid; valid choices: None, 'ops', 'steps', "
+                         "'steps_refined'")
     return Strategy(
         f"{CALIBRATED_PREFIX.get(calibrate, 'dpcs')}@{budget / MiB:.4g}MiB",
         "dpcs",
@@ -449,15 +450,17 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device, log: Ca
     }
 
 
-def step_samples(strategies: Sequence[Strategy]) -> list[Any]:
-    """One `StepSample` per uncalibrated dpcs point measured by dpcs itself: what its plans recompute, and
-    its measured step time."""
+def step_samples(strategies: Sequence[Strategy], field: str = "step_s") -> list[Any]:
+    """One `StepSample` per dpcs point measured by dpcs itself: what its plans recompute, and its step time in
+    result[field]. With "step_s", the uncalibrated points (the calibrated ones were timed in another phase:
+    fewer strategies interleaved, other step times); with another field, every point timed in that phase."""
     from dpcs_compiler.cost.calibration import StepSample
 
     return [
-        StepSample.of(s.result["recompute_terms"], s.result["step_s"])
+        StepSample.of(s.result["recompute_terms"], s.result[field])
         for s in strategies
-        if s.kind == "dpcs" and not s.result.get("calibrate") and s.result.get("step_s") is not None
+        if s.kind == "dpcs" and s.result.get(field) is not None
+        and (field != "step_s" or not s.result.get("calibrate"))
         and s.result.get("recompute_terms") and not s.result.get("fallback")
         and not s.result.get("offloaded_values")  # copy time is not among the terms
     ]
@@ -468,7 +471,9 @@ def calibrate_from_steps(name: str, strategies: list[Strategy], base: LossModule
                          model_progress: Any) -> dict[str, Any]:
     """`--calibrate steps`: fit the roofline to the measured steps of the uncalibrated dpcs points
     (`fit_step_calibration`), plan each pairwise budget again with that fit (dpcs_stepcal@...), and time each
-    against its uncalibrated plan, interleaved (result["paired_step_s"] of both)."""
+    against its uncalibrated plan, interleaved (result["paired_step_s"] of both); then fit again with those
+    steps, the re-planned plans' own included, and plan and time each budget once more with the refined fit
+    (dpcs_stepcal2@..., result["refined_step_s"]) if it differs."""
     from dpcs_compiler.cost.calibration import fit_step_calibration
     from dpcs_compiler.cost.profiles import resolve_profile
     from dpcs_compiler.options import DpcsOptions
@@ -486,24 +491,54 @@ def calibrate_from_steps(name: str, strategies: list[Strategy], base: LossModule
     log(f"[{name}] fitted to {fit.samples} measured steps: {calibration}, terms fitted {fit.fitted} (base "
         f"{fit.base_s * 1e3:.1f} ms, residual {fit.residual_s * 1e3:.2f} ms, held out {_ms(fit.held_out_s)}, "
         f"roofline held out {_ms(fit.roofline_held_out_s)})")
+    plains = [s for s in strategies if s.kind == "dpcs" and s.ok and not s.result.get("calibrate")
+              and (s.budget_source or "").startswith("peak of ")]
+    pairs = replan_and_time(name, plains, strategies, calibration, "steps", "paired_step_s", base, inputs, args,
+                            device, log, model_progress)
+    result = {**fit.to_json(), "error": None}
+    # Refined as the runtime refines it (`Runtime.calibrate_from_steps` called again): fitted anew to the steps
+    # just timed side by side, the re-planned plans' own included (a fit can be wrong about the plans it moves
+    # the planner to, and their steps say so), then planned and timed against the uncalibrated plans again.
+    try:
+        refit = fit_step_calibration(step_samples(pairs, "paired_step_s"), launch_overhead_s=profile.launch_overhead_s)
+    except ValueError as error:
+        log(f"[{name}] no refined step calibration: {error}")
+        return {**result, "refined": {"error": str(error)}}
+    result["refined"] = {**refit.to_json(), "error": None}
+    if not refit.fitted or refit.calibration == fit.calibration:
+        log(f"[{name}] refined with the re-planned plans' steps: {refit.calibration} (fitted "
+            f"{', '.join(refit.fitted) or 'none'}): nothing new to plan")
+        return result
+    log(f"[{name}] refined with the re-planned plans' steps ({refit.samples} samples): {refit.calibration}, held "
+        f"out {_ms(refit.held_out_s)} vs the roofline's {_ms(refit.roofline_held_out_s)}")
+    replan_and_time(name, plains, strategies, dataclasses.asdict(refit.calibration), "steps_refined",
+                    "refined_step_s", base, inputs, args, device, log, model_progress)
+    return result
+
+
+def replan_and_time(name: str, plains: list[Strategy], strategies: list[Strategy], calibration: dict[str, Any],
+                    calibrate: str, field: str, base: LossModule, inputs: Sequence[torch.Tensor],
+                    args: argparse.Namespace, device: torch.device, log: Callable[[str], None],
+                    model_progress: Any) -> list[Strategy]:
+    """Plan each of `plains`' budgets again with `calibration` and time each against its uncalibrated plan,
+    interleaved: result[field] of both, which is the calibrated point's own step time. Returns the pairs."""
     pairs = []
-    for plain in [s for s in strategies if s.kind == "dpcs" and s.ok and not s.result.get("calibrate")
-                  and (s.budget_source or "").startswith("peak of ")]:
+    for plain in plains:
         s = dpcs_strategy(plain.budget_bytes, plain.budget_source, args.compiler, strict=not args.dpcs_fallback,
-                          calibrate="steps", calibration=calibration)
+                          calibrate=calibrate, calibration=calibration)
         log(f"[{name}] {s.name} ({s.budget_source}): compiling / warming up")
         model_progress.detail(f"{s.name}: compiling / warming up")
         prepare_with_retry(s, base, inputs, device=device, warmup=args.warmup, sgd=args.sgd, log=log)
-        s.result["calibrate"] = "steps"
+        s.result["calibrate"] = calibrate
         strategies.append(s)
         pairs += [plain, s]
-    log(f"[{name}] timing {len(pairs) // 2} step-calibrated plans against their uncalibrated ones, interleaved")
-    time_interleaved(pairs, steps=args.steps, warmup=args.warmup, device=device, field="paired_step_s")
+    log(f"[{name}] timing {len(pairs) // 2} {calibrate} calibrated plans against their uncalibrated ones, interleaved")
+    time_interleaved(pairs, steps=args.steps, warmup=args.warmup, device=device, field=field)
     for s in pairs:  # a calibrated point's own time is its paired time (measured beside its uncalibrated plan)
-        if s.result.get("calibrate") == "steps" and s.result.get("paired_step_s") is not None:
-            s.result["step_s"], s.result["step_s_all"] = s.result["paired_step_s"], s.result["paired_step_s_all"]
-            s.result["recompiles_while_timing"] = s.result["recompiles_while_paired_step_s"]
-    return {**fit.to_json(), "error": None}
+        if s.result.get("calibrate") == calibrate and s.result.get(field) is not None:
+            s.result["step_s"], s.result["step_s_all"] = s.result[field], s.result[field + "_all"]
+            s.result["recompiles_while_timing"] = s.result[f"recompiles_while_{field}"]
+    return pairs
 
 
 def targets(model: str, results: dict[str, dict]) -> dict[str, Any]:
@@ -518,7 +553,9 @@ def targets(model: str, results: dict[str, dict]) -> dict[str, Any]:
     for name, r in every.items():
         if r.get("calibrate"):
             plain = next((p for p in dpcs.values() if p.get("budget_bytes") == r.get("budget_bytes")), None)
-            plain_s = (plain.get("paired_step_s") or plain["step_s"]) if plain else None
+            # the uncalibrated plan's time in the phase the calibrated one was timed in
+            phase = {"steps": "paired_step_s", "steps_refined": "refined_step_s"}.get(r["calibrate"], "step_s")
+            plain_s = (plain.get(phase) or plain["step_s"]) if plain else None
             calibrated[name] = {
                 "calibrate": r["calibrate"],
                 "budget_source": r.get("budget_source"),
@@ -664,6 +701,14 @@ def print_tables(payload: dict[str, Any], console) -> None:
                           f"{(fit['overhead_s'] or 0) * 1e6:.3g} us (fitted: {', '.join(fit['fitted']) or 'none, the roofline kept'}; "
                           f"residual {fit['residual_s'] * 1e3:.2f} ms; held-out error {_ms(fit['held_out_s'])} vs "
                           f"the roofline's {_ms(fit['roofline_held_out_s'])})", highlight=False)
+        refined = (fit or {}).get("refined")
+        if refined:
+            console.print(f"  refined step calibration: {refined['error']}" if refined.get("error") else
+                          f"  refined with the re-planned plans' steps ({refined['samples']} samples): compute x"
+                          f"{refined['compute_scale']:.3g}, memory x{refined['memory_scale']:.3g} (fitted: "
+                          f"{', '.join(refined['fitted']) or 'none, the roofline kept'}; held-out error "
+                          f"{_ms(refined['held_out_s'])} vs the roofline's {_ms(refined['roofline_held_out_s'])})",
+                          highlight=False)
         for c, p in t.get("calibrated", {}).items():
             console.print(f"  calibrated {c} ({p['budget_source']}): {p['step_s'] * 1e3:.1f} ms, "
                           f"{_ratio(p['time_ratio_to_uncalibrated'])} the uncalibrated plan's time; within budget: "

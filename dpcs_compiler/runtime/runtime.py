@@ -167,9 +167,13 @@ class Runtime:
         # Step times per variant key, and what each variant's plans recompute (`calibrate_from_steps`).
         self.step_times: dict[str, collections.deque[float]] = {}
         self._recomputes: dict[str, list[dict[str, float]] | None] = {}
-        self._timing: tuple[float, int] | None = None  # (when the step began, the compile count then)
+        self._timed_as: dict[str, Decisions] = {}  # the decisions each timed variant ran under
+        # (when the step began, the compile count then, the decisions it runs under)
+        self._timing: tuple[float, int, Decisions] | None = None
         self.calibration: tuple[float, float, float | None] | None = None
         self.step_fit: StepFit | None = None
+        # Calibrations whose plans measured slower than the roofline's: never applied again.
+        self.rejected_calibrations: list[tuple[float, float, float | None]] = []
 
     # ---- what the runtime drives -------------------------------------------------------------------------
 
@@ -244,7 +248,8 @@ class Runtime:
             # no sample.
             usable = all(r.recompute_terms is not None and not r.offloaded_values for r in records)
             self._recomputes[ran] = [r.recompute_terms for r in records] if usable else None
-        self._timing = (time.perf_counter(), count)
+            self._timed_as[ran] = self._timing[2]
+        self._timing = (time.perf_counter(), count, self.decisions)
 
     def _training_records(self) -> list[tuple[GraphDispatcher, list[Any]]]:
         """Each graph whose current variant is a training graph, with that variant's training records (an
@@ -267,33 +272,74 @@ class Runtime:
             if len(times) >= min_steps and self._recomputes.get(key)
         ]
 
+    def calibration_checks(self, min_steps: int = 5) -> list[tuple[float, float]]:
+        """Each variant planned with the current calibration that was timed at least `min_steps` times, against
+        the same decisions planned with the profile's roofline, timed as often: (its median step time, the
+        roofline's). Empty without a calibration, or before both sides of a pair have run."""
+        if self.calibration is None:
+            return []
+        timed = {key: decisions for key, decisions in self._timed_as.items() if len(self.step_times[key]) >= min_steps}
+        checks = []
+        for key, decisions in timed.items():
+            if decisions.calibration != self.calibration:
+                continue
+            twin = dataclasses.replace(decisions, calibration=None)
+            for other, other_decisions in timed.items():
+                if other_decisions == twin:
+                    checks.append((statistics.median(self.step_times[key]), statistics.median(self.step_times[other])))
+        return checks
+
     def calibrate_from_steps(self, min_steps: int = 5) -> StepFit:
         """Fit the roofline to the step times of the variants timed so far (`fit_step_calibration`: needs two
         variants that recompute differently, each timed `min_steps` times; fitting k terms takes k + 2) and,
         if it fits any term, cost the plans of the variants compiled from the next step on with it; a fit
-        that keeps the profile's roofline changes nothing (no variant is compiled again for the same costs).
-        Rank 0's fit is every rank's; every rank must call it at the same step. Too few variants: ValueError
-        (on the other ranks of a job, RuntimeError naming rank 0's), and nothing changes."""
+        that keeps the profile's roofline plans with the roofline (no variant is compiled again for costs it
+        was planned with).
 
-        def fit() -> StepFit:
+        Call it again once a calibrated variant has run `min_steps` steps: the fit is refined with the steps
+        of the plans it made, and the calibration is checked against them (`calibration_checks`). One whose
+        variant measured slower than the same decisions planned with the roofline is dropped and never
+        applied again (`rejected_calibrations`), as is a new fit within 5% of a rejected one: a fit explains
+        the plans it was fitted to, and can be wrong about the plans it moves the planner to.
+        Rank 0's fit and check are every rank's; every rank must call it at the same step. Too few variants:
+        ValueError (on the other ranks of a job, RuntimeError naming rank 0's), and nothing changes."""
+
+        def fit() -> tuple[StepFit, list[tuple[float, float]]]:
             samples = self.step_samples(min_steps)
             graphs = self.graphs
             if not graphs:
                 raise ValueError("Runtime.calibrate_from_steps: no graph compiled with backend='dpcs' runs this model")
             device = next((p.device for p in self.parameters), torch.device("cpu"))
             profile = resolve_profile(graphs[0].options.hardware_profile, device).profile
-            return fit_step_calibration(samples, launch_overhead_s=profile.launch_overhead_s)
+            return fit_step_calibration(samples, launch_overhead_s=profile.launch_overhead_s), self.calibration_checks(min_steps)
 
-        fitted = rank_agreement.from_rank_zero(fit, "step calibration") if rank_agreement.world() else fit()
+        fitted, checks = rank_agreement.from_rank_zero(fit, "step calibration") if rank_agreement.world() else fit()
         self.step_fit = fitted
         calibration = fitted.calibration
+        rejected = None
+        if self.calibration is not None and any(mine > roofline for mine, roofline in checks):
+            rejected, self.calibration = self.calibration, None
+            self.rejected_calibrations.append(rejected)
+            log.warning("step %d: plans costed with %s measured slower than the roofline's (%s): back to the "
+                        "roofline, and this calibration is not applied again", self.step_count, rejected,
+                        ", ".join(f"{a * 1e3:.3g} vs {b * 1e3:.3g} ms" for a, b in checks))
+        values = (calibration.compute_scale, calibration.memory_scale, calibration.overhead_s)
+        refused = fitted.fitted and any(_near(values, r) for r in self.rejected_calibrations)
         if self.telemetry is not None:
-            self.telemetry.record({"step": self.step_count, "kind": "calibration", "fit": fitted.to_json()})
-        if not fitted.fitted:
-            log.info("step %d: %d variants' step times keep the profile's roofline (held-out error %.3g ms)",
-                     self.step_count, fitted.samples, (fitted.held_out_s or 0.0) * 1e3)
+            self.telemetry.record({
+                "step": self.step_count, "kind": "calibration", "fit": fitted.to_json(),
+                "checks": [list(c) for c in checks], "rejected": None if rejected is None else list(rejected),
+                "refused": refused,
+            })
+        if not fitted.fitted or refused:
+            log.info("step %d: %d variants' step times %s (held-out error %.3g ms)", self.step_count, fitted.samples,
+                     "fit a calibration already measured slower: the roofline stays" if refused
+                     else "keep the profile's roofline", (fitted.held_out_s or 0.0) * 1e3)
+            if rejected is not None or self.calibration is not None:  # back to the roofline's plans
+                self.calibration = None
+                self._decide_now()
             return fitted
-        self.calibration = (calibration.compute_scale, calibration.memory_scale, calibration.overhead_s)
+        self.calibration = values
         log.info("step %d: costs fitted to %d variants' step times: %s (residual %.3g ms)", self.step_count,
                  fitted.samples, calibration, fitted.residual_s * 1e3)
         self._decide_now()
@@ -460,6 +506,7 @@ class Runtime:
             "launched_at": self._launched_at,  # a read launched, taken at a later step (accelerators)
             "curvature": None if self.curvature is None else self.curvature.state_dict(),
             "calibration": None if self.calibration is None else list(self.calibration),
+            "rejected_calibrations": [list(c) for c in self.rejected_calibrations],
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -483,6 +530,8 @@ class Runtime:
         calibration = state.get("calibration")
         # Checked here (Decisions validates it), not at the next decision.
         self.calibration = None if calibration is None else Decisions(calibration=tuple(calibration)).calibration
+        self.rejected_calibrations = [Decisions(calibration=tuple(c)).calibration
+                                      for c in state.get("rejected_calibrations", ())]
         self._timing = None  # the first interval after a restore would span the restore
         if self.curvature is not None and state.get("curvature") is not None:
             self.curvature.load_state_dict(state["curvature"])
@@ -504,3 +553,12 @@ class Runtime:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _near(a: Sequence[float | None], b: Sequence[float | None], tolerance: float = 0.05) -> bool:
+    """Whether two calibrations (compute_scale, memory_scale, overhead_s) are within `tolerance` of each other
+    in every term (an overhead of None, the profile's, only near None)."""
+    return all(
+        x is y is None or (x is not None and y is not None and abs(x - y) <= tolerance * max(abs(x), abs(y)))
+        for x, y in zip(a, b)
+    )

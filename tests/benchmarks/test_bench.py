@@ -30,14 +30,17 @@ def quick_run(tmp_path_factory, bench):
     out = tmp_path_factory.mktemp("bench")
     torch._dynamo.reset()
     # Whether the measured steps fit a term depends on this CPU's timing noise: the fit is made to fit one
-    # (memory x0.5), so the re-planned points are always exercised.
+    # (memory x0.5, then x0.25 when refined), so the re-planned points of both rounds are always exercised.
     from dpcs_compiler.cost import calibration
 
     real = calibration.fit_step_calibration
+    fits = []
 
     def fits_memory(samples, **kwargs):
         fit = real(samples, **kwargs)
-        return dataclasses.replace(fit, calibration=calibration.Calibration(1.0, 0.5, None), fitted=("memory_scale",))
+        fits.append(len(samples))
+        scale = 0.5 if len(fits) == 1 else 0.25
+        return dataclasses.replace(fit, calibration=calibration.Calibration(1.0, scale, None), fitted=("memory_scale",))
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(calibration, "fit_step_calibration", fits_memory)
@@ -110,7 +113,7 @@ def test_quick_run_dpcs_points(quick_run):
                for r in measured)
     assert fit["error"] is None and fit["samples"] == len(measured) >= 2
     assert fit["compute_scale"] >= 0 and fit["memory_scale"] >= 0 and fit["base_s"] >= 0
-    calibrated = {n: r for n, r in results.items() if r["kind"] == "dpcs" and r["calibrate"]}
+    calibrated = {n: r for n, r in results.items() if r["kind"] == "dpcs" and r["calibrate"] == "steps"}
     pairwise = {n: r for n, r in dpcs.items() if r["budget_source"].startswith("peak of ") and r["error"] is None}
     assert fit["fitted"] == ["memory_scale"]  # made to fit one (`quick_run`)
     assert {r["budget_bytes"] for r in calibrated.values()} == {r["budget_bytes"] for r in pairwise.values()}
@@ -120,7 +123,20 @@ def test_quick_run_dpcs_points(quick_run):
                if r["error"] is None for rec in r["records"] if rec["mode"] == "training")
     assert all(len(r["paired_step_s_all"]) == 2 for r in [*calibrated.values(), *pairwise.values()]
                if r["error"] is None)
-    assert set(targets["calibrated"]) == {n for n, r in calibrated.items() if r.get("step_s") is not None}
+    # ... then fitted again to the steps of that phase, the re-planned points' own included, and each budget
+    # planned and timed once more with the refined fit.
+    refined = {n: r for n, r in results.items() if r["kind"] == "dpcs" and r["calibrate"] == "steps_refined"}
+    assert fit["refined"]["error"] is None and fit["refined"]["memory_scale"] == 0.25
+    assert fit["refined"]["samples"] == sum(r.get("paired_step_s") is not None for r in [*calibrated.values(),
+                                                                                          *pairwise.values()])
+    assert {r["budget_bytes"] for r in refined.values()} == {r["budget_bytes"] for r in pairwise.values()}
+    assert all(n.startswith("dpcs_stepcal2@") for n in refined)
+    assert all(rec["calibration"]["memory_scale"] == 0.25 for r in refined.values()
+               if r["error"] is None for rec in r["records"] if rec["mode"] == "training")
+    assert all(len(r["refined_step_s_all"]) == 2 for r in [*refined.values(), *pairwise.values()]
+               if r["error"] is None)
+    assert set(targets["calibrated"]) == {n for n, r in [*calibrated.items(), *refined.items()]
+                                          if r.get("step_s") is not None}
     assert set(targets["per_budget"]) == {n for n, r in dpcs.items() if r.get("step_s") is not None}
     assert targets["lowest_peak"]["required"] is True
     assert targets["lowest_peak"]["upstream_min_peak_bytes"] == min(

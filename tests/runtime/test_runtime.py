@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import json
@@ -322,15 +323,9 @@ def test_a_graph_compiled_before_the_runtime_scales_its_own_plans_peak(monkeypat
     assert runtime.state_dict()["references"] == {graph.fingerprint: loose.predicted_peak_bytes}
 
 
-def test_step_times_per_variant_fit_the_costs_of_later_plans(tmp_path, monkeypatch):
-    """The runtime times each step per variant (steps that compiled left out), fits the roofline to the
-    variants that recompute differently, and plans the next variant with a fit that fits a term; a fit that
-    keeps the roofline compiles nothing; the fit survives a restart; too few variants is an error that
-    changes nothing."""
-    from dpcs_compiler.cost.calibration import StepFit
-    from dpcs_compiler.cost.op_time import Calibration
+def timed_gpt(tmp_path):
+    """A 4-layer GPT compiled with a budget, its Runtime (telemetry at every step) and a loop of n steps."""
     from dpcs_compiler.models import workload
-    from dpcs_compiler.runtime import runtime as runtime_module
 
     w = workload("gpt", 4)
     compiled = dpcs_compile(w.model, memory_budget="1GiB")
@@ -341,6 +336,20 @@ def test_step_times_per_variant_fit_the_costs_of_later_plans(tmp_path, monkeypat
             w.model.zero_grad(set_to_none=True)
             w.loss_fn(compiled(*w.inputs)).backward()
             runtime.step()
+
+    return w, runtime, train_steps
+
+
+def test_step_times_per_variant_fit_the_costs_of_later_plans(tmp_path, monkeypatch):
+    """The runtime times each step per variant (steps that compiled left out), fits the roofline to the
+    variants that recompute differently, and plans the next variant with a fit that fits a term; a fit that
+    keeps the roofline compiles nothing; the fit survives a restart; too few variants is an error that
+    changes nothing."""
+    from dpcs_compiler.cost.calibration import StepFit
+    from dpcs_compiler.cost.op_time import Calibration
+    from dpcs_compiler.runtime import runtime as runtime_module
+
+    w, runtime, train_steps = timed_gpt(tmp_path)
 
     train_steps(6)
     [graph] = runtime.graphs
@@ -391,6 +400,61 @@ def test_step_times_per_variant_fit_the_costs_of_later_plans(tmp_path, monkeypat
         Runtime(w.model, policies=[]).load_state_dict({**state, "calibration": [1.0, -2.0, None]})
     with pytest.raises(ValueError, match="min_steps"):
         runtime.step_samples(0)
+
+
+def test_a_calibration_whose_plans_measure_slower_is_dropped_and_not_applied_again(tmp_path, monkeypatch):
+    """A second fit checks the calibration against the steps of the plans it made: one that measured slower
+    than the same budget planned with the roofline goes back to the roofline's variant (compiled already) and
+    is never applied again, nor a fit within 5% of it; another fit is applied, and kept while it measures
+    faster. The step times are set here so the decisions do not depend on how fast this CPU is."""
+    from dpcs_compiler.cost.calibration import StepFit
+    from dpcs_compiler.cost.op_time import Calibration
+    from dpcs_compiler.runtime import runtime as runtime_module
+
+    w, runtime, train_steps = timed_gpt(tmp_path)
+
+    def fit_to(*calibration):
+        fit = StepFit(Calibration(*calibration), 0.1, ("memory_scale",), 3, 0.0, 1e-3, 2e-3)
+        monkeypatch.setattr(runtime_module, "fit_step_calibration", lambda samples, **kw: fit)
+
+    def set_times(calibration, seconds):
+        (key,) = [k for k, d in runtime._timed_as.items()
+                  if d.calibration == calibration and d.budget_bytes == runtime.forced_budget]
+        runtime.step_times[key] = collections.deque([seconds] * 5)
+
+    train_steps(2)
+    [graph] = runtime.graphs
+    runtime.force_budget(int(graph.current_peak_bytes * 0.7))
+    train_steps(7)
+    assert runtime.calibration_checks() == []  # no calibration yet
+    fit_to(1.0, 0.25, None)
+    runtime.calibrate_from_steps()
+    train_steps(7)  # the calibrated variant compiles, then runs 6 timed steps
+    compiles = graph.compiles
+    set_times(None, 1.0)
+    set_times((1.0, 0.25, None), 2.0)
+    assert runtime.calibration_checks() == [(2.0, 1.0)]
+    fit_to(1.0, 0.26, None)  # the refined fit, within 5% of the slower calibration
+    runtime.calibrate_from_steps()
+    assert runtime.calibration is None and runtime.decisions.calibration is None
+    assert runtime.rejected_calibrations == [(1.0, 0.25, None)]
+    train_steps(2)
+    assert graph.compiles == compiles  # back to the roofline's variant, compiled already
+    fit_to(1.0, 0.5, None)  # a different fit is applied ...
+    runtime.calibrate_from_steps()
+    assert runtime.calibration == runtime.decisions.calibration == (1.0, 0.5, None)
+    train_steps(7)
+    assert graph.compiles == compiles + 1
+    set_times((1.0, 0.5, None), 0.5)
+    runtime.calibrate_from_steps()  # ... and kept while it measures faster
+    assert runtime.calibration == (1.0, 0.5, None) and runtime.calibration_checks() == [(0.5, 1.0)]
+    runtime.telemetry.flush()
+    events = [e for e in read_telemetry(tmp_path / "t.jsonl") if e["kind"] == "calibration"]
+    assert [e["rejected"] for e in events] == [None, [1.0, 0.25, None], None, None]
+    assert [e["refused"] for e in events] == [False, True, False, False]
+    restored = Runtime(w.model, policies=[])
+    restored.load_state_dict(json.loads(json.dumps(runtime.state_dict())))
+    assert restored.rejected_calibrations == [(1.0, 0.25, None)] and restored.calibration == (1.0, 0.5, None)
 
 
 def test_decisions_carry_a_calibration_into_the_variant_options():
