@@ -822,7 +822,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also plan each pairwise budget calibrated, side by side with the uncalibrated plan: "
                         "'steps' (the default): the roofline fitted to the measured step times of the uncalibrated "
                         "dpcs points (dpcs_stepcal@..., option calibration), each timed again beside its "
-                        "uncalibrated plan; 'ops': fitted to each graph's own ops timed one by one (dpcs_cal@..., "
+                        "uncalibrated plan, then fitted again with those steps and timed once more "
+                        "(dpcs_stepcal2@...); 'ops': fitted to each graph's own ops timed one by one (dpcs_cal@..., "
                         "option calibrate)")
     return parser
 
