@@ -23,6 +23,7 @@ from typing import Any, ClassVar, Protocol, TypeVar
 
 import torch.fx as fx
 
+from dpcs_compiler.heap import paused_collector
 from dpcs_compiler.passes.analysis.schedule import Schedule
 
 log = logging.getLogger("dpcs.passes")
@@ -91,7 +92,8 @@ class PassContext:
 
     @contextmanager
     def instrumented(self, stage: str, name: str, gm: fx.GraphModule | None = None) -> Iterator[list[bool]]:
-        """Run the body as pass `stage/name`: instruments before and after, wall time measured.
+        """Run the body as pass `stage/name`: instruments before and after, wall time measured, the garbage
+        collector paused (`heap.paused_collector`: a pass's time stays linear in the graph's size).
 
         The body may set `modified[0] = True`; the after-instruments receive it.
         """
@@ -99,7 +101,8 @@ class PassContext:
         for instrument in self.instruments:
             instrument.before_pass(stage, name, gm)
         start = time.perf_counter()
-        yield modified
+        with paused_collector():
+            yield modified
         seconds = time.perf_counter() - start
         for instrument in self.instruments:
             instrument.after_pass(stage, name, gm, seconds, modified[0])

@@ -64,6 +64,7 @@ from dpcs_compiler.cost.step_model import (
     with_offloaded,
 )
 from dpcs_compiler.debug.render import format_bytes
+from dpcs_compiler.heap import paused_collector
 from dpcs_compiler.passes.analysis.planning import Freeable, StepSharing
 from dpcs_compiler.measure import BEFORE_PROFILING, CpuMemoryProfile, optimizer_state_bytes
 from dpcs_compiler.report import _ON_CLEAR, STEPS_FILE, StepRecord, add_step_record, compile_count
@@ -719,7 +720,8 @@ class StepRecorder:
         optimizers = list(self.optimizers)
 
         def decide() -> tuple[StepRecord | None, str | None]:
-            return self._decide(shapes, dispatchers, optimizers, self.blocks, [self._transients(k) for k in planned])
+            with paused_collector():  # as in a graph's passes (`heap`)
+                return self._decide(shapes, dispatchers, optimizers, self.blocks, [self._transients(k) for k in planned])
 
         record, message = rank_agreement.from_rank_zero(decide, "step plan") if agreeing else decide()
         self.plans += 1
