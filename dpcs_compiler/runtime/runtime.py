@@ -31,7 +31,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -118,6 +118,14 @@ def _modules(models: torch.nn.Module | Sequence[torch.nn.Module]) -> list[torch.
     return [getattr(m, "_orig_mod", m) for m in models]
 
 
+class _Timed(NamedTuple):
+    """A timed variant (`Runtime._time_step`): its training plans' recompute terms (None when some graph has
+    no memory plan, or offloads: no step sample) and the runtime decisions it ran under."""
+
+    recomputes: list[dict[str, float]] | None
+    decisions: Decisions
+
+
 class Runtime:
     """Adapts the plans dpcs compiled for `models` between steps; see the module docstring."""
 
@@ -166,8 +174,8 @@ class Runtime:
         self._warned_unbound = False
         # Step times per variant key, and what each variant's plans recompute (`calibrate_from_steps`).
         self.step_times: dict[str, collections.deque[float]] = {}
-        self._recomputes: dict[str, list[dict[str, float]] | None] = {}
-        self._timed_as: dict[str, Decisions] = {}  # the decisions each timed variant ran under
+        # Each timed variant: what its plans recompute (None: no sample) and the decisions it ran under.
+        self._timed: dict[str, _Timed] = {}
         # (when the step began, the compile count then, the decisions it runs under)
         self._timing: tuple[float, int, Decisions] | None = None
         self.calibration: tuple[float, float, float | None] | None = None
@@ -247,8 +255,7 @@ class Runtime:
             # A graph without a memory plan, or a plan that offloads (its copy time is not among the terms):
             # no sample.
             usable = all(r.recompute_terms is not None and not r.offloaded_values for r in records)
-            self._recomputes[ran] = [r.recompute_terms for r in records] if usable else None
-            self._timed_as[ran] = self._timing[2]
+            self._timed[ran] = _Timed([r.recompute_terms for r in records] if usable else None, self._timing[2])
         self._timing = (time.perf_counter(), count, self.decisions)
 
     def _training_records(self) -> list[tuple[GraphDispatcher, list[Any]]]:
@@ -267,9 +274,9 @@ class Runtime:
         if isinstance(min_steps, bool) or not isinstance(min_steps, int) or min_steps < 1:
             raise ValueError(f"Runtime min_steps={min_steps!r} is not valid; valid choices: an int >= 1")
         return [
-            StepSample.of(self._recomputes[key], statistics.median(times))
+            StepSample.of(self._timed[key].recomputes, statistics.median(times))
             for key, times in self.step_times.items()
-            if len(times) >= min_steps and self._recomputes.get(key)
+            if len(times) >= min_steps and key in self._timed and self._timed[key].recomputes
         ]
 
     def calibration_checks(self, min_steps: int = 5) -> list[tuple[float, float]]:
@@ -278,14 +285,16 @@ class Runtime:
         roofline's). Empty without a calibration, or before both sides of a pair have run."""
         if self.calibration is None:
             return []
-        timed = {key: decisions for key, decisions in self._timed_as.items() if len(self.step_times[key]) >= min_steps}
+        timed: dict[Decisions, list[str]] = {}
+        for key, entry in self._timed.items():
+            if len(self.step_times[key]) >= min_steps:
+                timed.setdefault(entry.decisions, []).append(key)
         checks = []
-        for key, decisions in timed.items():
+        for decisions, keys in timed.items():
             if decisions.calibration != self.calibration:
                 continue
-            twin = dataclasses.replace(decisions, calibration=None)
-            for other, other_decisions in timed.items():
-                if other_decisions == twin:
+            for key in keys:
+                for other in timed.get(dataclasses.replace(decisions, calibration=None), ()):
                     checks.append((statistics.median(self.step_times[key]), statistics.median(self.step_times[other])))
         return checks
 

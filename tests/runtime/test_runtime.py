@@ -418,8 +418,8 @@ def test_a_calibration_whose_plans_measure_slower_is_dropped_and_not_applied_aga
         monkeypatch.setattr(runtime_module, "fit_step_calibration", lambda samples, **kw: fit)
 
     def set_times(calibration, seconds):
-        (key,) = [k for k, d in runtime._timed_as.items()
-                  if d.calibration == calibration and d.budget_bytes == runtime.forced_budget]
+        (key,) = [k for k, timed in runtime._timed.items()
+                  if timed.decisions.calibration == calibration and timed.decisions.budget_bytes == runtime.forced_budget]
         runtime.step_times[key] = collections.deque([seconds] * 5)
 
     train_steps(2)
