@@ -132,6 +132,7 @@ class Timeline:
         self.a_made = np.array(made, dtype=np.int64)
         self.seconds = math.fsum(self.cost[i][k] for i, k in enumerate(decision))
         self.remade: dict[int, dict[int, int]] = {}  # step -> {candidate: transient} made again there
+        self._tops: dict[int, tuple[int, int, int]] = {}  # step -> `_top(step)`, until remade[step] changes
         for i in range(n):
             if made[i] >= 0 and self.transient[i]:
                 self.remade.setdefault(made[i], {})[i] = self.transient[i]
@@ -155,6 +156,7 @@ class Timeline:
         self.decision, self.made = list(decision), list(made)
         self.during, self.extra = during.copy(), extra.copy()
         self.remade = {s: dict(m) for s, m in remade.items()}
+        self._tops = {}
         self.a_decision = np.array(decision, dtype=np.int64)
         self.a_made = np.array(made, dtype=np.int64)
 
@@ -213,27 +215,52 @@ class Timeline:
                 delta += self.intervals(x, k if x == i else decision[x], m)
         return Move(i, k, delta, made)
 
-    def _transient_moves(self, move: Move) -> dict[int, dict[int, int]]:
-        """The transient steps `move` touches, each with what would be made again there after it."""
-        after: dict[int, dict[int, int]] = {}
+    def _transient_moves(self, move: Move) -> dict[int, tuple[list[int], dict[int, int]]]:
+        """The transient steps `move` touches, each with the candidates it stops making again there and those
+        it starts to (with their transients). Not copies of the steps' sets: a step where the backward starts
+        can remake hundreds of candidates, and every move evaluated would copy them."""
+        after: dict[int, tuple[list[int], dict[int, int]]] = {}
         for x, m in move.made.items():
             if not self.transient[x]:
                 continue
             old, new = self.made[x], m
             if old == new:
                 continue
-            if old >= 0:
-                after.setdefault(old, dict(self.remade.get(old, {}))).pop(x, None)
+            if old >= 0 and x in self.remade.get(old, ()):
+                after.setdefault(old, ([], {}))[0].append(x)
             if new >= 0:
-                after.setdefault(new, dict(self.remade.get(new, {})))[x] = self.transient[x]
+                after.setdefault(new, ([], {}))[1][x] = self.transient[x]
         return after
+
+    def _top(self, step: int) -> tuple[int, int, int]:
+        """Of the transients made again at `step`: the largest, how many have it, the largest below it (0s)."""
+        top = self._tops.get(step)
+        if top is None:
+            values = list(self.remade.get(step, {}).values())
+            largest = max(values, default=0)
+            top = (largest, values.count(largest), max((v for v in values if v < largest), default=0))
+            self._tops[step] = top
+        return top
+
+    def _largest_after(self, step: int, gone: list[int], added: dict[int, int]) -> int:
+        """The largest transient made again at `step` once `gone` stop being and `added` start (0: none)."""
+        largest, count, below = self._top(step)
+        made_there = self.remade.get(step, {})
+        at_largest = sum(1 for x in gone if made_there[x] == largest)
+        if at_largest < count:
+            kept = largest
+        elif len(gone) == 1:
+            kept = below
+        else:
+            kept = max((v for y, v in made_there.items() if y not in gone), default=0)
+        return max(kept, max(added.values(), default=0))
 
     def effect(self, move: Move) -> tuple[int, np.ndarray]:
         """(first step, what `move` adds to the bytes alive at each step from there)."""
         if move._effect is None:
             lo, local = _dense(move.delta)
-            for step, made_there in self._transient_moves(move).items():
-                local[step - lo] += self._extra(step, max(made_there.values(), default=0)) - int(self.extra[step])
+            for step, (gone, added) in self._transient_moves(move).items():
+                local[step - lo] += self._extra(step, self._largest_after(step, gone, added)) - int(self.extra[step])
             move._effect = (lo, local)
         return move._effect
 
@@ -253,12 +280,15 @@ class Timeline:
     def apply(self, move: Move) -> None:
         """Commit `move`."""
         lo, local = self.effect(move)
-        for step, made_there in self._transient_moves(move).items():
-            if made_there:
-                self.remade[step] = made_there
-            else:
-                self.remade.pop(step, None)
-            self.extra[step] = self._extra(step, max(made_there.values(), default=0))
+        for step, (gone, added) in self._transient_moves(move).items():
+            self.extra[step] = self._extra(step, self._largest_after(step, gone, added))
+            made_there = self.remade.setdefault(step, {})
+            for x in gone:
+                del made_there[x]
+            made_there.update(added)
+            if not made_there:
+                del self.remade[step]
+            self._tops.pop(step, None)
         self.during[lo : lo + len(local)] += local
         for x, m in move.made.items():
             self.made[x] = m
@@ -290,13 +320,13 @@ class Timeline:
         now = np.choose(decision, (save, now_recompute, offload))
         freed = now[:, None] - np.stack((save, recompute, offload), axis=1)
         # A transient made again at t lifts t to at least before + its transient.
-        largest = max(self.remade.get(t, {}).values(), default=0)
+        largest, count, below = self._top(t)
         largest_after = np.maximum(largest, self.a_transient)
         lifted = np.where(largest_after > 0, np.maximum(0, int(self.before[t]) - int(self.base[t]) + largest_after), 0)
         freed[:, RECOMPUTE_] -= np.where((pull == t) & (made != t), lifted - self.extra[t], 0)
         # One made again at t that stops being recomputed takes its transient away.
-        for x in self.remade.get(t, {}):
-            others = max((v for y, v in self.remade[t].items() if y != x), default=0)
+        for x, v in self.remade.get(t, {}).items():
+            others = below if v == largest and count == 1 else largest
             freed[x, [SAVE_, OFFLOAD_]] += int(self.extra[t]) - self._extra(t, others)
         if len(self.edge_input):
             j, d = self.edge_input, self.edge_consumer
