@@ -48,11 +48,14 @@ class Move:
     """Setting candidate i to decision k: the candidates' intervals it adds (signed), the new remake steps
     (i's and its recomputed inputs'), and, once asked, its whole effect on the bytes alive at each step."""
 
-    __slots__ = ("i", "k", "delta", "made", "_effect")
+    __slots__ = ("i", "k", "delta", "made", "_effect", "_remakes")
 
     def __init__(self, i: int, k: int, delta: list[Interval], made: dict[int, int]) -> None:
         self.i, self.k, self.delta, self.made = i, k, delta, made
         self._effect: tuple[int, np.ndarray] | None = None
+        # With the effect: each transient step it touches, what it stops and starts making again there, and
+        # the largest transient made there after it (`Timeline._transient_moves`), for `Timeline.apply`.
+        self._remakes: list[tuple[int, list[int], dict[int, int], int]] = []
 
 
 class Timeline:
@@ -259,8 +262,10 @@ class Timeline:
         """(first step, what `move` adds to the bytes alive at each step from there)."""
         if move._effect is None:
             lo, local = _dense(move.delta)
-            for step, (gone, added) in self._transient_moves(move).items():
-                local[step - lo] += self._extra(step, self._largest_after(step, gone, added)) - int(self.extra[step])
+            move._remakes = [(step, gone, added, self._largest_after(step, gone, added))
+                             for step, (gone, added) in self._transient_moves(move).items()]
+            for step, _, _, largest in move._remakes:
+                local[step - lo] += self._extra(step, largest) - int(self.extra[step])
             move._effect = (lo, local)
         return move._effect
 
@@ -280,8 +285,8 @@ class Timeline:
     def apply(self, move: Move) -> None:
         """Commit `move`."""
         lo, local = self.effect(move)
-        for step, (gone, added) in self._transient_moves(move).items():
-            self.extra[step] = self._extra(step, self._largest_after(step, gone, added))
+        for step, gone, added, largest in move._remakes:
+            self.extra[step] = self._extra(step, largest)
             made_there = self.remade.setdefault(step, {})
             for x in gone:
                 del made_there[x]
