@@ -69,12 +69,12 @@ def test_cycles_made_in_the_block_are_collected_after_it():
 
 
 def test_blocks_in_two_threads_leave_it_on_when_both_end():
-    inside, release = threading.Barrier(2), threading.Event()
+    inside, release = threading.Barrier(2, timeout=60), threading.Event()  # fails, never hangs
 
     def other() -> None:
         with paused_collector():
             inside.wait()
-            release.wait()
+            release.wait(timeout=60)
 
     thread = threading.Thread(target=other)
     thread.start()
@@ -82,7 +82,8 @@ def test_blocks_in_two_threads_leave_it_on_when_both_end():
         inside.wait()
     assert not gc.isenabled()  # the other thread's block still runs
     release.set()
-    thread.join()
+    thread.join(timeout=60)
+    assert not thread.is_alive()
     assert gc.isenabled()
 
 
