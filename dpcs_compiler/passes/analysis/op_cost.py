@@ -1,8 +1,10 @@
 """FLOPs and bytes moved by every node of an aten graph.
 
 FLOPs come from torch's own formulas (`torch.utils.flop_counter.flop_registry`, the table FlopCounterMode
-uses), evaluated on the traced shapes with symbolic sizes replaced by their hints; ops without a formula
-(pointwise, reductions, data movement) count zero FLOPs. Bytes read are the sizes of the distinct tensor
+uses), evaluated on the traced shapes with symbolic sizes replaced by their hints, and for the matmul and
+attention ops torch has no formula for, from dpcs's (`EXTRA_FLOP_FORMULAS`: among them the attention CPU
+graphs call, which would otherwise cost nothing to recompute); other ops without a formula (pointwise,
+reductions, data movement) count zero FLOPs. Bytes read are the sizes of the distinct tensor
 inputs; bytes written are the buffers the node allocates. Views read and write nothing.
 """
 
@@ -14,7 +16,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from dpcs_compiler.passes.analysis.base import require
 from dpcs_compiler.passes.analysis.tensor_bytes import TensorBytes, is_view, tensor_bytes, tensor_bytes_of, to_sympy
@@ -38,9 +40,66 @@ def _hinted_shape(value: object, sizes: TensorBytes) -> object:
     return value
 
 
+def _attention(query, key, value, *args: Any, **kwargs: Any) -> int:
+    return sdpa_flop_count(query, key, value)  # as torch counts its GPU attention: causal masks not discounted
+
+
+def _attention_backward(grad_out, query, key, value, *args: Any, **kwargs: Any) -> int:
+    return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+def _matrix_vector(matrix, vector, *args: Any, **kwargs: Any) -> int:
+    return 2 * matrix[0] * matrix[1]
+
+
+def _dot(a, b, *args: Any, **kwargs: Any) -> int:
+    return 2 * a[0]
+
+
+def _addmv(bias, matrix, vector, *args: Any, **kwargs: Any) -> int:
+    return _matrix_vector(matrix, vector)
+
+
+def _addbmm(bias, a, b, *args: Any, **kwargs: Any) -> int:
+    return 2 * a[0] * a[1] * a[2] * b[2]
+
+
+def _int_mm(a, b, *args: Any, **kwargs: Any) -> int:
+    return 2 * a[0] * a[1] * b[1]
+
+
+def _extra_formulas() -> dict[Any, Any]:
+    """Formulas, over shapes, for the matmul and attention ops `flop_registry` lacks (this torch's names only).
+    The attention ops' argument order is torch's GPU ones' (query, key, value [B, H, S, D]; the backward's
+    grad_out first), so torch's own counts apply."""
+    names = {
+        "_scaled_dot_product_flash_attention_for_cpu": _attention,
+        "_scaled_dot_product_flash_attention_for_cpu_backward": _attention_backward,
+        "_scaled_dot_product_fused_attention_overrideable": _attention,
+        "_scaled_dot_product_fused_attention_overrideable_backward": _attention_backward,
+        "mv": _matrix_vector,
+        "dot": _dot,
+        "addmv": _addmv,
+        "addbmm": _addbmm,
+        "_int_mm": _int_mm,
+    }
+    formulas = {}
+    for name, formula in names.items():
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is not None and packet not in flop_registry:
+            formulas[packet] = formula
+    return formulas
+
+
+EXTRA_FLOP_FORMULAS = _extra_formulas()
+
+
 def node_flops(node: fx.Node, sizes: TensorBytes) -> int:
     packet = getattr(node.target, "overloadpacket", None)
-    if node.op != "call_function" or packet not in flop_registry:
+    if node.op != "call_function":
+        return 0
+    formula = flop_registry.get(packet) or EXTRA_FLOP_FORMULAS.get(packet)
+    if formula is None:
         return 0
 
     def shape_of(arg: object) -> object:
@@ -49,7 +108,7 @@ def node_flops(node: fx.Node, sizes: TensorBytes) -> int:
     args, kwargs = pytree.tree_map(shape_of, (node.args, node.kwargs))
     out = pytree.tree_map(lambda v: _hinted_shape(v, sizes), node.meta.get("val"))
     # flop_registry entries map tensors to shapes themselves; shapes pass through unchanged.
-    return int(flop_registry[packet](*args, out_val=out, **kwargs))
+    return int(formula(*args, out_val=out, **kwargs))
 
 
 def op_cost(gm: fx.GraphModule, analyses: Any | None = None) -> OpCost:

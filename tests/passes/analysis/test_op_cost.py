@@ -75,3 +75,39 @@ def test_symbolic_shapes_are_costed_with_their_trace_time_values():
         "mm": NodeCost(flops=2 * 8 * 16 * 4, bytes_read=4 * (128 + 64), bytes_written=128),
         "sin": NodeCost(flops=0, bytes_read=128, bytes_written=128),
     }
+
+
+def test_cpu_attention_counts_torchs_attention_flops_forward_and_backward():
+    """The attention CPU graphs call has no formula in torch's table: without dpcs's, recomputing it looked free."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    shape = (2, 3, 16, 8)
+    q, k, v = (torch.randn(shape) for _ in range(3))
+
+    def attention(q, k, v, grad):
+        out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=True)
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, out, logsumexp, 0.0, True
+        )
+        return (out, *grads)
+
+    costs = cost_by_name(make_fx(attention, tracing_mode="fake")(q, k, v, torch.randn(shape)))
+    forward = costs["_scaled_dot_product_flash_attention_for_cpu"]
+    backward = costs["_scaled_dot_product_flash_attention_for_cpu_backward"]
+    assert forward.flops == sdpa_flop_count(shape, shape, shape) == 4 * 2 * 3 * 16 * 16 * 8
+    assert backward.flops == sdpa_backward_flop_count(shape, shape, shape, shape) > forward.flops
+
+
+@pytest.mark.parametrize(
+    ("fn", "shapes", "name", "flops"),
+    [
+        (torch.mv, [(8, 16), (16,)], "mv", 2 * 8 * 16),
+        (torch.dot, [(16,), (16,)], "dot", 2 * 16),
+        (torch.addmv, [(8,), (8, 16), (16,)], "addmv", 2 * 8 * 16),
+        (torch.addbmm, [(8, 4), (3, 8, 16), (3, 16, 4)], "addbmm", 2 * 3 * 8 * 16 * 4),
+    ],
+    ids=["mv", "dot", "addmv", "addbmm"],
+)
+def test_matmuls_torch_has_no_formula_for_count_their_flops(fn, shapes, name, flops):
+    gm = make_fx(lambda *xs: (fn(*xs),), tracing_mode="fake")(*(torch.randn(s) for s in shapes))
+    assert cost_by_name(gm)[name].flops == flops
