@@ -20,7 +20,6 @@ from dpcs_compiler.passes.analysis.inductor_schedule import (
     probe_scheduled_peak,
 )
 from dpcs_compiler.passes.analysis.tensor_bytes import size_hints
-from dpcs_compiler.cost.memory_model import OFFLOAD
 from dpcs_compiler.passes.infra import Rewrite, copy_graph_module
 from dpcs_compiler.passes.rewrite.backward_order import apply_order, sunk_order
 from dpcs_compiler.passes.rewrite.fusion_guard import planned_fusion_choices
@@ -159,16 +158,12 @@ class PartCompiler:
         return compiled
 
     def orders_by_schedule(self) -> bool:
-        """Whether the backward's order is chosen by Inductor's schedule of it (`lowest_scheduled_order`):
-        option backward_order "auto", a plan of dpcs's own that offloads nothing and that is over its budget
-        (the lowest plan dpcs can reach, compiled with on_infeasible="best"), whose sunk order simulates a
-        lower peak (`JointPartitioner.lowest_backward_order`), and a readable schedule."""
-        job = self.job
-        return (
-            job.options.backward_order == "auto" and job.plan.feasible is False and not job.plan.torch_plan
-            and not job.plan.decided(OFFLOAD) and job.sunk_simulates_lower and "backward" in job.graph_inputs
-            and probe_available()
-        )
+        """Whether the backward's order is chosen by Inductor's schedule of it (`lowest_scheduled_order`), as
+        the partition found (`GraphJob.order_by_schedule`): option backward_order "auto", a plan of dpcs's own
+        that offloads nothing and that is over its budget (the lowest plan dpcs can reach, compiled with
+        on_infeasible="best"), whose sunk order simulates a lower peak (`JointPartitioner.lowest_backward_order`),
+        and a readable schedule."""
+        return self.job.order_by_schedule and "backward" in self.job.graph_inputs
 
     def lowest_scheduled_order(self, gm: fx.GraphModule, example_inputs: Sequence[Any], *args: Any, **kwargs: Any
                                ) -> fx.GraphModule:

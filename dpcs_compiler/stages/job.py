@@ -120,7 +120,9 @@ class GraphJob:
     measured_excess: dict[str, int] = dataclasses.field(default_factory=dict)
     carried_excess: int = 0  # what the compiled forward leaves alive beyond the partitioned one
     partition_excess: dict[str, int] = dataclasses.field(default_factory=dict)
-    sunk_simulates_lower: bool = False  # the planned backward's sunk order simulates a lower peak (`partition.py`)
+    # Inductor's schedule of both orders picks the planned backward's (`JointPartitioner`, for
+    # `PartCompiler.lowest_scheduled_order`): set per partition.
+    order_by_schedule: bool = False
     replanning: bool = False
     provisional: bool = False  # a re-plan the solver found over, compiled to be read (`hold_to_budget`)
     graph_fingerprint: str = ""  # the Dynamo graph's identity across ranks (`rank_agreement`)

@@ -89,11 +89,12 @@ class JointPartitioner(CustomPartitionerFn):
                             release_after={v.name: v.release_after for v in offloaded},
                         )
         with ctx.instrumented("step", "analyses"):
+            job.order_by_schedule = False
             if kept is not None:
                 step, timeline, live = kept.analyses
             else:
                 step, timeline, live = self.step_analyses(forward, backward, num_fwd_outputs)
-                job.sunk_simulates_lower, job.record.backward_order = False, "autograd"
+                job.record.backward_order = "autograd"
                 job.record.backward_order_scheduled = None
                 if job.options.memory_budget is not None and not job.plan.decided(OFFLOAD):
                     if job.options.sinks_backward:
@@ -103,8 +104,9 @@ class JointPartitioner(CustomPartitionerFn):
                           and job.options.compiler == "inductor" and probe_available()):
                         # Under Inductor, over the budget: Inductor's schedule of both orders decides, if the
                         # sunk one simulates lower (`PartCompiler.lowest_scheduled_order`).
-                        self.lowest_backward_order(forward, backward, num_fwd_outputs, (step, timeline, live),
-                                                   keep=False)
+                        job.order_by_schedule = self.lowest_backward_order(
+                            forward, backward, num_fwd_outputs, (step, timeline, live), keep=False
+                        ) is None
             # Bytes a saved value keeps alive: the buffers it points into, less those of resident inputs
             # (a saved transpose of a weight costs nothing extra).
             kept = {n: [b for b in live.references.get(n, ()) if b.producer not in step.resident] for n in step.saved}
@@ -145,15 +147,14 @@ class JointPartitioner(CustomPartitionerFn):
         return forward, backward
 
     def lowest_backward_order(self, forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outputs: int,
-                              analyses: tuple, *, keep: bool = True) -> tuple:
+                              analyses: tuple, *, keep: bool = True) -> tuple | None:
         """The backward in its sunk order (`passes.rewrite.backward_order`) if its simulated backward peaks
         lower than autograd's order, else as it is; returns the step analyses of the order kept. Only a plan's
         own partition: torch's is compiled as torch orders it (no cost at no pressure), and a plan that
-        offloads keeps its reloads' place among the ops that overlap them. `job.sunk_simulates_lower` says
-        which simulated lower; with keep=False autograd's order stays either way (Inductor's schedule decides)."""
+        offloads keeps its reloads' place among the ops that overlap them. With keep=False autograd's order
+        stays either way (Inductor's schedule decides), and None says the sunk order simulated lower."""
         job, ctx = self.job, self.job.ctx
         step, timeline, live = analyses
-        job.sunk_simulates_lower = False
         original = list(backward.graph.nodes)
         if not apply_order(backward.graph, sunk_order(backward.graph, resident_backward_inputs(step, live))):
             return analyses
@@ -161,14 +162,13 @@ class JointPartitioner(CustomPartitionerFn):
         candidate = self.step_analyses(forward, backward, num_fwd_outputs)
         before, after = PhaseLevels.of(timeline).backward_peak, PhaseLevels.of(candidate[1]).backward_peak
         log.info("%s: backward peak %d B in autograd's order, %d B sunk", job.record.graph, before, after)
-        job.sunk_simulates_lower = after < before
         if after < before and keep:
             job.record.backward_order = "sunk"
             backward.recompile()
             return candidate
         apply_order(backward.graph, original)
         ctx.analyses.invalidate(backward)
-        return analyses
+        return None if after < before else analyses
 
     def min_cut(
         self, joint: fx.GraphModule, joint_schedule: Schedule | None, joint_inputs: Sequence[object], kwargs: dict
