@@ -113,7 +113,7 @@ class PartCompiler:
         gm = self.prepare(kind, gm)
         if self.job.options.memory_budget is None or kind == "inference":
             return compile_fx_inner(gm, example_inputs, *args, **kwargs)
-        if kind == "backward" and self.orders_by_schedule():
+        if kind == "backward" and self.job.order_by_schedule:
             with self.job.ctx.instrumented("backward", "order_by_schedule"):
                 try:
                     gm = self.lowest_scheduled_order(gm, example_inputs, *args, **kwargs)
@@ -156,14 +156,6 @@ class PartCompiler:
         else:  # Inductor scheduled nothing (no kernels): the partitioned graph is what runs
             self.job.hold_to_budget(dict(self.job.partition_excess), "its partitioned graphs")
         return compiled
-
-    def orders_by_schedule(self) -> bool:
-        """Whether the backward's order is chosen by Inductor's schedule of it (`lowest_scheduled_order`), as
-        the partition found (`GraphJob.order_by_schedule`): option backward_order "auto", a plan of dpcs's own
-        that offloads nothing and that is over its budget (the lowest plan dpcs can reach, compiled with
-        on_infeasible="best"), whose sunk order simulates a lower peak (`JointPartitioner.lowest_backward_order`),
-        and a readable schedule."""
-        return self.job.order_by_schedule and "backward" in self.job.graph_inputs
 
     def lowest_scheduled_order(self, gm: fx.GraphModule, example_inputs: Sequence[Any], *args: Any, **kwargs: Any
                                ) -> fx.GraphModule:

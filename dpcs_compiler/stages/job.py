@@ -120,8 +120,10 @@ class GraphJob:
     measured_excess: dict[str, int] = dataclasses.field(default_factory=dict)
     carried_excess: int = 0  # what the compiled forward leaves alive beyond the partitioned one
     partition_excess: dict[str, int] = dataclasses.field(default_factory=dict)
-    # Inductor's schedule of both orders picks the planned backward's (`JointPartitioner`, for
-    # `PartCompiler.lowest_scheduled_order`): set per partition.
+    # Inductor's schedule of both orders picks the planned backward's (`PartCompiler.lowest_scheduled_order`),
+    # as each partition decides (`JointPartitioner`): option backward_order "auto", a plan of dpcs's own that
+    # offloads nothing and is over its budget (the lowest plan dpcs can reach, compiled with
+    # on_infeasible="best"), whose sunk order simulates a lower peak, and a readable schedule.
     order_by_schedule: bool = False
     replanning: bool = False
     provisional: bool = False  # a re-plan the solver found over, compiled to be read (`hold_to_budget`)

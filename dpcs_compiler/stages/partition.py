@@ -98,15 +98,15 @@ class JointPartitioner(CustomPartitionerFn):
                 job.record.backward_order_scheduled = None
                 if job.options.memory_budget is not None and not job.plan.decided(OFFLOAD):
                     if job.options.sinks_backward:
-                        step, timeline, live = self.lowest_backward_order(forward, backward, num_fwd_outputs,
-                                                                          (step, timeline, live))
+                        (step, timeline, live), _ = self.lowest_backward_order(forward, backward, num_fwd_outputs,
+                                                                               (step, timeline, live))
                     elif (job.options.backward_order == "auto" and job.plan.feasible is False
                           and job.options.compiler == "inductor" and probe_available()):
                         # Under Inductor, over the budget: Inductor's schedule of both orders decides, if the
                         # sunk one simulates lower (`PartCompiler.lowest_scheduled_order`).
-                        job.order_by_schedule = self.lowest_backward_order(
+                        _, job.order_by_schedule = self.lowest_backward_order(
                             forward, backward, num_fwd_outputs, (step, timeline, live), keep=False
-                        ) is None
+                        )
             # Bytes a saved value keeps alive: the buffers it points into, less those of resident inputs
             # (a saved transpose of a weight costs nothing extra).
             kept = {n: [b for b in live.references.get(n, ()) if b.producer not in step.resident] for n in step.saved}
@@ -147,17 +147,17 @@ class JointPartitioner(CustomPartitionerFn):
         return forward, backward
 
     def lowest_backward_order(self, forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outputs: int,
-                              analyses: tuple, *, keep: bool = True) -> tuple | None:
+                              analyses: tuple, *, keep: bool = True) -> tuple[tuple, bool]:
         """The backward in its sunk order (`passes.rewrite.backward_order`) if its simulated backward peaks
-        lower than autograd's order, else as it is; returns the step analyses of the order kept. Only a plan's
-        own partition: torch's is compiled as torch orders it (no cost at no pressure), and a plan that
-        offloads keeps its reloads' place among the ops that overlap them. With keep=False autograd's order
-        stays either way (Inductor's schedule decides), and None says the sunk order simulated lower."""
+        lower than autograd's order, else as it is; returns the step analyses of the order kept, and whether
+        the sunk order simulated lower. Only a plan's own partition: torch's is compiled as torch orders it (no
+        cost at no pressure), and a plan that offloads keeps its reloads' place among the ops that overlap
+        them. With keep=False autograd's order stays either way (Inductor's schedule decides)."""
         job, ctx = self.job, self.job.ctx
         step, timeline, live = analyses
         original = list(backward.graph.nodes)
         if not apply_order(backward.graph, sunk_order(backward.graph, resident_backward_inputs(step, live))):
-            return analyses
+            return analyses, False
         ctx.analyses.invalidate(backward)
         candidate = self.step_analyses(forward, backward, num_fwd_outputs)
         before, after = PhaseLevels.of(timeline).backward_peak, PhaseLevels.of(candidate[1]).backward_peak
@@ -165,10 +165,10 @@ class JointPartitioner(CustomPartitionerFn):
         if after < before and keep:
             job.record.backward_order = "sunk"
             backward.recompile()
-            return candidate
+            return candidate, True
         apply_order(backward.graph, original)
         ctx.analyses.invalidate(backward)
-        return None if after < before else analyses
+        return analyses, after < before
 
     def min_cut(
         self, joint: fx.GraphModule, joint_schedule: Schedule | None, joint_inputs: Sequence[object], kwargs: dict

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import bmm_flop, flop_registry, mm_flop, sdpa_backward_flop_count, sdpa_flop_count
 
 from dpcs_compiler.passes.analysis.base import require
 from dpcs_compiler.passes.analysis.tensor_bytes import TensorBytes, is_view, tensor_bytes, tensor_bytes_of, to_sympy
@@ -61,11 +61,7 @@ def _addmv(bias, matrix, vector, *args: Any, **kwargs: Any) -> int:
 
 
 def _addbmm(bias, a, b, *args: Any, **kwargs: Any) -> int:
-    return 2 * a[0] * a[1] * a[2] * b[2]
-
-
-def _int_mm(a, b, *args: Any, **kwargs: Any) -> int:
-    return 2 * a[0] * a[1] * b[1]
+    return bmm_flop(a, b)  # the batched products; their sum over the batch is not counted, as torch's baddbmm
 
 
 def _extra_formulas() -> dict[Any, Any]:
@@ -81,7 +77,7 @@ def _extra_formulas() -> dict[Any, Any]:
         "dot": _dot,
         "addmv": _addmv,
         "addbmm": _addbmm,
-        "_int_mm": _int_mm,
+        "_int_mm": mm_flop,
     }
     formulas = {}
     for name, formula in names.items():

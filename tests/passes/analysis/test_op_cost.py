@@ -111,3 +111,9 @@ def test_cpu_attention_counts_torchs_attention_flops_forward_and_backward():
 def test_matmuls_torch_has_no_formula_for_count_their_flops(fn, shapes, name, flops):
     gm = make_fx(lambda *xs: (fn(*xs),), tracing_mode="fake")(*(torch.randn(s) for s in shapes))
     assert cost_by_name(gm)[name].flops == flops
+
+
+def test_an_int8_matmul_counts_its_flops():
+    a, b = (torch.randint(-5, 5, shape, dtype=torch.int8) for shape in ((32, 64), (64, 16)))
+    gm = make_fx(lambda a, b: (torch._int_mm(a, b),), tracing_mode="fake")(a, b)
+    assert cost_by_name(gm)["_int_mm"].flops == 2 * 32 * 64 * 16
