@@ -85,7 +85,6 @@ class PendingSave:
 
 _PENDING: list[PendingSave] = []  # the asynchronous save under way, at most one
 _ASYNC_GROUP: list[Any] = []  # the gloo group DCP's background saves use (not the training's collectives')
-_PINNED_STAGER: list[Any] = []  # the stager of asynchronous saves of CUDA tensors, its pinned buffers reused
 
 
 def _on_cuda(tensors: Any) -> bool:
@@ -96,17 +95,18 @@ def _on_cuda(tensors: Any) -> bool:
 
 def _stager_for(tensors: Any) -> Any:
     """How an asynchronous save copies the tensors out: from CUDA, into pinned host buffers with non-blocking
-    copies (the step stalls for the device-to-host copy only), the buffers kept for the next save (pinning
-    is slow; `save` commits the save under way before the next one stages, so no write still reads them);
-    host tensors: None, DCP's own copy."""
+    copies (the step stalls for the device-to-host copy only); host tensors: None, DCP's own copy.
+
+    A new stager for every save. A DCP stager that has been closed fails its next staging with
+    `KeyError: <class 'type'>`, and torch 2.11's `DefaultStager` closes its copier after every stage: one
+    stager kept from save to save failed every asynchronous save after the first on an H200. The pinned
+    buffers are therefore not reused between saves."""
     if not _on_cuda(tensors):
         return None
-    if not _PINNED_STAGER:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        _PINNED_STAGER.append(DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
-                                                           use_async_staging=False, use_non_blocking_copy=True)))
-    return _PINNED_STAGER[0]
+    return DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False, use_async_staging=False,
+                                        use_non_blocking_copy=True))
 
 
 def wait() -> Path | None:
