@@ -884,17 +884,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if device.type == "cpu" and load is not None and load > (os.cpu_count() or 1):
         log(f"warning: the 1-minute load average is {load:.1f} on {os.cpu_count()} CPUs: "
             "other processes compete for the CPU and step times will be noisy")
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / (f"bench_{device.type}" + ("_quick" if args.quick else ""))
     with compile_afresh(), progress.task("dpcs bench", total=len(args.models)) as bench_progress:
         for model in args.models:
             bench_progress.detail(model)
             payload["models"][model] = run_model(model, args, device, log)
             bench_progress.advance()
+            # Each model's results are on disk as soon as they are measured: a run cut short keeps them.
+            partial = {**payload, "partial": len(payload["models"]) < len(args.models)}
+            stem.with_suffix(".json").write_text(json.dumps(partial, indent=2) + "\n")
     torch._dynamo.reset()
     payload["load_average_after"] = _load_average()
+    payload["partial"] = False
 
     print_tables(payload, console)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / (f"bench_{device.type}" + ("_quick" if args.quick else ""))
     stem.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
     plot(payload, stem.with_suffix(".png"))
     console.print(f"wrote {stem}.json and {stem}.png", highlight=False, markup=False)

@@ -1,14 +1,15 @@
 """How long a checkpoint stalls training: a synchronous and an asynchronous `dpcs_compiler.checkpoint.save`
 against the training step, on the bench's small GPT with AdamW (single process).
 
-    python benchmarks/checkpoint_stall.py [--rounds 7] [--steps 3] [--out benchmarks/results]
+    python benchmarks/checkpoint_stall.py [--device cpu|cuda] [--rounds 7] [--steps 3] [--out benchmarks/results]
 
 Per round, interleaved: `--steps` plain training steps (timed), then one step followed by a synchronous save
 (the save timed: the step stalls for all of it), then one step followed by an asynchronous save (timed until
 `save` returns: the tensors copied out), `--steps` steps while its files are written in the background (timed:
 they share the CPU with the writer), and its commit (`checkpoint.wait()`: what is left of the writing, the
 manifest and the rename). Medians over the rounds after a warm-up round; stalls reported as multiples of the
-step time.
+step time. On CUDA every timed region ends with `torch.cuda.synchronize()`, so a step's time is its kernels'
+and an asynchronous save's stall includes the copy to pinned host memory it started.
 Writes checkpoint_stall_<device>.json and .png under --out.
 """
 
@@ -33,19 +34,22 @@ from dpcs_compiler import checkpoint  # noqa: E402
 from dpcs_compiler.models import bench_workload  # noqa: E402
 
 
-def measure(rounds: int, steps: int, directory: Path) -> dict:
+def measure(rounds: int, steps: int, directory: Path, device: torch.device) -> dict:
     w = bench_workload("gpt")
-    model = w.model
+    model = w.model.to(device)
+    inputs = tuple(x.to(device) for x in w.inputs)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def step() -> None:
-        w.loss_fn(model(*w.inputs)).backward()
+        w.loss_fn(model(*inputs)).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     def timed(fn) -> float:
         start = time.perf_counter()
         fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         return time.perf_counter() - start
 
     times: dict[str, list[float]] = {"step": [], "sync_save": [], "async_save": [], "step_while_writing": [],
@@ -104,14 +108,20 @@ def plot(results: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args(argv)
-    device = f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available")
+    if args.device == "cuda":
+        device = f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda})"
+    else:
+        device = f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
     with tempfile.TemporaryDirectory() as directory:
         results = {"device": device, "torch": torch.__version__, "python": platform.python_version(),
-                   **measure(args.rounds, args.steps, Path(directory))}
+                   **measure(args.rounds, args.steps, Path(directory), torch.device(args.device))}
     medians, stall = results["median_seconds"], results["stall_in_steps"]
     print(f"small GPT, {results['parameters'] / 1e6:.2f}M parameters, checkpoint "
           f"{results['checkpoint_bytes'] / 2**20:.1f} MiB, {device}: step {medians['step'] * 1e3:.1f} ms; "
@@ -120,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
           f"writes {results['step_while_writing_ratio']:.2f}x, its commit {medians['async_commit'] * 1e3:.1f} ms "
           f"({stall['async_commit']:.2f} steps)")
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "checkpoint_stall_cpu.json"
+    path = args.out / f"checkpoint_stall_{args.device}.json"
     path.write_text(json.dumps(results, indent=1) + "\n")
     plot(results, path.with_suffix(".png"))
     print(f"wrote {path} and {path.with_suffix('.png')}")

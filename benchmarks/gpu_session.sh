@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# One lease of a GPU machine, as one prepared script: the checks and benchmarks that need CUDA, each under its
+# own time limit inside a deadline, logs and results gathered into one archive.
+#
+#   OUT=/tmp/gpu bash benchmarks/gpu_session.sh [SECONDS] [STEPS...]
+#
+# SECONDS (default 400) is the deadline for the whole script; every step is cut at it. STEPS picks what runs
+# (default: all, in this order): env tests peak train stall cadence bench_gpt bench_llama.
+# The package is installed from this checkout (editable, no dependencies, no index: the machine has no
+# network), because torch finds the "dpcs" backend by the package's entry point. Everything lands in
+# $OUT/gpu_session.tar.gz (logs/, results/, rc.txt with each step's exit status and seconds).
+set -u
+DEADLINE=$(( $(date +%s) + ${1:-400} ))
+shift || true
+STEPS=${*:-env tests peak train stall cadence bench_gpt bench_llama}
+EXTRA=${EXTRA:-}  # more commands to run with the first, parallel group (diagnostics): "name:command"
+OUT=${OUT:-/tmp/gpu_session}
+W=$(mktemp -d)
+mkdir -p "$W/logs" "$W/results" "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+NCPU=$(nproc)
+
+left() { echo $(( DEADLINE - $(date +%s) )); }
+wants() { [[ " $STEPS " == *" $1 "* ]]; }
+# step NAME LIMIT CMD...: runs CMD under min(LIMIT, time left), logs to logs/NAME.log, records rc and seconds.
+step() {
+    local name=$1 limit=$2; shift 2
+    local budget; budget=$(left); (( budget > limit )) && budget=$limit
+    if (( budget < 10 )); then echo "$name skipped (no time left)" >> "$W/rc.txt"; return; fi
+    local t0; t0=$(date +%s)
+    timeout -k 5 "$budget" "$@" > "$W/logs/$name.log" 2>&1
+    local rc=$?
+    echo "$name rc=$rc seconds=$(( $(date +%s) - t0 )) limit=$budget" >> "$W/rc.txt"
+    echo "[$name] rc=$rc in $(( $(date +%s) - t0 )) s: $(tail -n 2 "$W/logs/$name.log" | tr '\n' ' ' | cut -c1-300)"
+}
+
+step install 120 $PY -m pip install -q --no-deps --no-build-isolation --no-index -e .
+
+if wants env; then
+    { nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
+      $PY -c "import torch, transformers, scipy, rich, matplotlib, networkx; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+      echo "cpus $NCPU"; } > "$W/logs/env.log" 2>&1
+    cat "$W/logs/env.log"
+fi
+
+# The cadence benchmark is CPU work (gloo ranks of one thread): it runs beside the GPU steps on cores of its own.
+CADENCE_PID=
+if wants cadence && (( NCPU >= 8 )); then
+    step cadence 300 taskset -c $(( NCPU - 4 ))-$(( NCPU - 1 )) $PY benchmarks/cadence.py --reps 7 --out "$W/results" &
+    CADENCE_PID=$!
+    GPU_CPUS="0-$(( NCPU - 5 ))"
+else
+    GPU_CPUS="0-$(( NCPU - 1 ))"
+fi
+G=(taskset -c "$GPU_CPUS")
+
+# Correctness and memory first, in parallel (none of them is timed).
+pids=()
+wants tests && { step tests_cuda 180 "${G[@]}" $PY -m pytest -q -p no:cacheprovider -rs tests/ops/test_overflow.py \
+    tests/ops/test_offload_ops.py tests/passes/rewrite/test_offload.py & pids+=($!); }
+wants peak && { step peak_prediction 180 "${G[@]}" $PY benchmarks/peak_prediction.py --device cuda --out "$W/results" & pids+=($!); }
+wants train && { step train_gpt 180 "${G[@]}" $PY examples/train_gpt.py --device cuda --steps 12 \
+    --telemetry "$W/results/train_gpt_telemetry.jsonl" & pids+=($!); }
+if [[ -n "$EXTRA" ]]; then
+    step "${EXTRA%%:*}" 180 "${G[@]}" bash -c "${EXTRA#*:}" & pids+=($!)
+fi
+(( ${#pids[@]} )) && wait "${pids[@]}"
+
+# Timed work, one at a time on the GPU.
+wants stall && step checkpoint_stall 90 "${G[@]}" $PY benchmarks/checkpoint_stall.py --device cuda --out "$W/results"
+wants bench_gpt && step bench_gpt 240 "${G[@]}" $PY benchmarks/bench.py --device cuda --models gpt --steps 10 --warmup 2 \
+    --out "$W/results/bench_gpt"
+wants bench_llama && step bench_llama 240 "${G[@]}" $PY benchmarks/bench.py --device cuda --models llama --steps 10 \
+    --warmup 2 --out "$W/results/bench_llama"
+
+[[ -n "$CADENCE_PID" ]] && wait "$CADENCE_PID"
+cat "$W/rc.txt"
+tar -czf "$OUT/gpu_session.tar.gz" -C "$W" .
+echo "wrote $OUT/gpu_session.tar.gz"
