@@ -123,7 +123,8 @@ class StrategyBackend:
 class Strategy:
     name: str
     kind: str  # "upstream" or "dpcs"
-    build: Callable[[nn.Module], Callable[..., torch.Tensor]]  # model copy -> callable (inputs -> loss)
+    # model copy -> callable (inputs -> loss); a dpcs point's also takes outside_bytes (added to its budget)
+    build: Callable[..., Callable[..., torch.Tensor]]
     compile_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     compiled: bool = False
     budget_bytes: int | None = None
@@ -231,10 +232,14 @@ def dpcs_strategy(budget: int, source: str, compiler: str, strict: bool = True, 
     elif calibrate is not None:
         raise ValueError(f"dpcs_strategy: calibrate={calibrate!r} is not valid; valid choices: None, 'ops', 'steps', "
                          "'steps_refined'")
+    def build(m: nn.Module, outside_bytes: int = 0) -> Callable[..., torch.Tensor]:
+        return torch.compile(m, backend="dpcs", options={**options, "memory_budget": int(budget) + outside_bytes},
+                             dynamic=False)
+
     return Strategy(
         f"{CALIBRATED_PREFIX.get(calibrate, 'dpcs')}@{budget / MiB:.4g}MiB",
         "dpcs",
-        lambda m: torch.compile(m, backend="dpcs", options=dict(options), dynamic=False),
+        build,
         compiled=True,
         budget_bytes=int(budget),
         budget_source=source,
@@ -274,7 +279,15 @@ def prepare(strategy: Strategy, base: LossModule, inputs: Sequence[torch.Tensor]
     graphs_before = _unique_graphs()
     try:
         module = copy.deepcopy(base)
-        fn = strategy.build(module)
+        if strategy.kind == "dpcs":
+            # dpcs bounds what the process holds at the step's peak (on CUDA the allocator's absolute level):
+            # what it holds for the other strategies and for cuBLAS is added to the budget, which, like every
+            # peak here, is the model's own (its resident bytes and what its step allocates).
+            outside = held_outside(device, [*module.parameters(), *module.buffers(), *inputs])
+            result["budget_outside_bytes"] = outside
+            fn = strategy.build(module, outside_bytes=outside)
+        else:
+            fn = strategy.build(module)
         optimizer = torch.optim.SGD(module.parameters(), lr=1e-4) if sgd else None
 
         def step() -> None:
@@ -315,6 +328,17 @@ def prepare(strategy: Strategy, base: LossModule, inputs: Sequence[torch.Tensor]
         records = records_since(records_before)
         if strategy.kind == "dpcs":
             _dpcs_fields(result, records)
+            if result.get("predicted_peak_bytes") is not None and result.get("budget_outside_bytes"):
+                result["predicted_peak_bytes"] -= result["budget_outside_bytes"]  # the model's own, as measured
+
+
+def held_outside(device: torch.device, own: Sequence[torch.Tensor]) -> int:
+    """The bytes the process holds on `device` beyond `own` (CUDA: the other strategies' models and
+    gradients, cuBLAS's workspaces); 0 on CPU, where dpcs's step meter sees only the step's own memory."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    return max(0, int(torch.cuda.memory_allocated(device)) - resident_bytes(own))
 
 
 # Failures of the shared C++ build (Inductor's cache folder is shared with every process of the user; a

@@ -196,7 +196,7 @@ def test_dpcs_budgets_dedupe_and_below(bench):
 def test_failing_strategy_is_recorded(bench):
     """A strategy whose compile raises keeps its error and no step; the run goes on."""
 
-    def broken(module):
+    def broken(module, outside_bytes=0):
         return torch.compile(module, backend="dpcs", options={"no_such_option": 1})
 
     base = bench.LossModule(torch.nn.Linear(4, 2), lambda out: out.sum())
@@ -298,3 +298,19 @@ def test_pairwise_targets_compare_dpcs_with_the_strategy_whose_peak_is_its_budge
     assert bench.targets("llama", results)["lowest_peak"]["required"] is True
     assert [bench.recomputes(u) for u in ("compile", "compile_amb=1", "compile_amb=0.5", "eager_ac", "sac", "eager")] == [
         False, False, True, True, True, False]
+
+
+def test_dpcs_is_given_what_the_process_holds_for_others_on_top_of_its_budget(bench, monkeypatch):
+    """Peaks here are each model's own, but dpcs's step planner bounds what the process holds (on CUDA the
+    allocator's absolute level). On an H200 the other strategies' models and gradients and cuBLAS's
+    workspaces (about 275 MiB) made every dpcs point infeasible. The point's compile gets its budget plus
+    what the process holds beyond the model; on CPU that is nothing (the step meter sees the step's own)."""
+    seen = []
+    monkeypatch.setattr(bench.torch, "compile", lambda m, backend, options, dynamic: seen.append(options) or m)
+    strategy = bench.dpcs_strategy(10 * MiB, "peak of compile", "eager")
+    strategy.build(torch.nn.Linear(2, 2))
+    strategy.build(torch.nn.Linear(2, 2), outside_bytes=3 * MiB)
+    assert [o["memory_budget"] for o in seen] == [10 * MiB, 13 * MiB]
+    assert strategy.budget_bytes == 10 * MiB
+    own = [torch.zeros(256)]
+    assert bench.held_outside(torch.device("cpu"), own) == 0
