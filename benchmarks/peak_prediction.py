@@ -3,8 +3,8 @@
     python benchmarks/peak_prediction.py [--out benchmarks/results]
 
 For MLP and minimal GPT at two batch sizes each, with both final compilers: dpcs's predicted peak of the
-step, the peak measured (CPU profiler memory events, or max_memory_allocated on CUDA: the model's resident
-bytes plus what the step allocated above the level it began at), and the error, overall and for the part
+step, the peak measured (CPU profiler memory events, or max_memory_allocated on CUDA), the model's own (its
+resident bytes plus what the step allocated above the level it began at), and the error, overall and for the part
 above the resident parameters and inputs. On CUDA the memory the process held beyond the model when the step
 began (cuBLAS's workspaces) is reported apart (`outside_bytes`). Writes JSON and a PNG named after the
 device, with the device and torch version inside.
@@ -44,12 +44,12 @@ def run(device: str) -> list[dict]:
                     "batch": batch,
                     "compiler": compiler,
                     "predicted_peak_bytes": m.predicted_peak_bytes,
-                    "measured_peak_bytes": m.measured_peak_bytes,
+                    "measured_peak_bytes": m.own_peak_bytes,  # the model's own, as the graph is simulated
                     "resident_bytes": m.resident_bytes,
                     "outside_bytes": m.outside_bytes,  # CUDA: held when the step began beyond the model's own
-                    "error": m.relative_error,
-                    "error_above_resident": (m.predicted_peak_bytes - m.measured_peak_bytes)
-                    / (m.measured_peak_bytes - m.resident_bytes),
+                    "error": (m.predicted_peak_bytes - m.own_peak_bytes) / m.own_peak_bytes,
+                    "error_above_resident": (m.predicted_peak_bytes - m.own_peak_bytes)
+                    / (m.own_peak_bytes - m.resident_bytes),
                     "step_seconds": m.step_seconds,
                 }
             )

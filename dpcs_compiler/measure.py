@@ -211,10 +211,11 @@ class StepMeasurement:
 
     predicted_peak_bytes is dpcs's simulated peak of the step's graph (None unless the step compiled to
     exactly one training graph: a step of several graphs is not one simulated timeline yet).
-    measured_peak_bytes is the model's own: its resident bytes plus the highest the step allocated above what
-    was allocated when it began, on CPU and CUDA alike. On CUDA the process may hold more when the step
-    begins (other models, cuBLAS's workspaces, made at a thread's first matrix product: about 65 MiB on an
-    H200 with torch 2.11); that is `outside_bytes` (None on CPU, where it cannot be read).
+    measured_peak_bytes is what a budget bounds: on CPU the resident bytes plus the highest the step allocated
+    above the level it began at (the profiler sees nothing else); on CUDA the allocator's absolute peak, which
+    includes what the process holds beside the model (other models, cuBLAS's workspaces, made at a thread's
+    first matrix product: about 65 MiB on an H200 with torch 2.11). That part, allocated when the step began
+    beyond `resident_bytes`, is `outside_bytes` (None on CPU); `own_peak_bytes` leaves it out.
     """
 
     device: str
@@ -224,6 +225,11 @@ class StepMeasurement:
     step_seconds: float  # median wall time of the timed steps (no profiler attached)
     graphs: int
     outside_bytes: int | None = None  # CUDA: allocated when the step began beyond `resident_bytes`
+
+    @property
+    def own_peak_bytes(self) -> int:
+        """The model's own peak: its resident bytes and what its step allocated (a graph's simulated peak)."""
+        return self.measured_peak_bytes - (self.outside_bytes or 0)
 
     @property
     def relative_error(self) -> float | None:
@@ -284,7 +290,7 @@ def measure_training_step(
     return StepMeasurement(
         device=str(device),
         predicted_peak_bytes=predicted,
-        measured_peak_bytes=resident + peak.peak_increase_bytes,
+        measured_peak_bytes=peak.absolute(resident if peak.baseline_bytes is None else None),
         resident_bytes=resident,
         step_seconds=statistics.median(times),
         graphs=len(new_records),
