@@ -328,8 +328,9 @@ def prepare(strategy: Strategy, base: LossModule, inputs: Sequence[torch.Tensor]
         records = records_since(records_before)
         if strategy.kind == "dpcs":
             _dpcs_fields(result, records)
-            if result.get("predicted_peak_bytes") is not None and result.get("budget_outside_bytes"):
-                result["predicted_peak_bytes"] -= result["budget_outside_bytes"]  # the model's own, as measured
+            for field in ("predicted_peak_bytes", "compiled_peak_bytes"):  # the model's own, as measured
+                if result.get(field) is not None and result.get("budget_outside_bytes"):
+                    result[field] -= result["budget_outside_bytes"]
 
 
 def held_outside(device: torch.device, own: Sequence[torch.Tensor]) -> int:
@@ -365,6 +366,7 @@ def _dpcs_fields(result: dict[str, Any], records: list) -> None:
     if steps:
         step = steps[-1]
         result["predicted_peak_bytes"] = step.predicted_peak_bytes
+        result["compiled_peak_bytes"] = step.compiled_peak_bytes  # predicted again from the variants compiled
         result["step"] = step.to_json()
         latest = {(r["variant_of"] or r["graph"]): r for r in training}
         training = [latest[g] for g in dict.fromkeys(step.calls) if g in latest]

@@ -166,6 +166,10 @@ class StepRecord:
     # its `CompileRecord.pass_seconds`), and how many graph plans it solved.
     planning_seconds: float = 0.0
     solves: int = 0
+    # The step's peak inside its graphs and at its turn, predicted again from the variants as they compiled, before
+    # the step is measured (None until then): a compile may decide otherwise than the plan it was given, where the
+    # plan was made on a first variant's problem that ran uncompiled (`StepRecorder._predict_as_compiled`).
+    compiled_peak_bytes: int | None = None
 
     def split(self) -> dict[str, int]:
         """The predicted peak in parts: parameters, optimizer state, other memory alive through the step

@@ -216,6 +216,8 @@ class StepRecorder:
         self.predicted: tuple[int, int, int] | None = None
         self.predicted_peak = 0
         self.predicted_state_bytes = 0  # the optimizers' state that prediction counts
+        self.as_planned: _AsPlanned | None = None  # what the prediction was made from (`_predict_as_compiled`)
+        self.replan_as_compiled = False  # the plan under way follows compiled variants over their budget
         self.measuring = False  # this step is measured (every rank alike; `meter` None where it cannot be)
         self.due: tuple[_Meter | None, tuple | None] | None = None  # a measured step waiting to be read
         self.outside_measured: dict[tuple, int] = {}
@@ -295,8 +297,9 @@ class StepRecorder:
                 dispatcher._select(args)
         if self.verify_in == 0 and self.pending == 0 and not self.measuring:
             self.verify_in = None
-            self.measuring = True
-            self.meter = _Meter.start(args)
+            if self._predict_as_compiled():
+                self.measuring = True
+                self.meter = _Meter.start(args)
         from torch._subclasses.fake_tensor import is_fake
 
         parameters: dict[int, int] = {}
@@ -379,6 +382,41 @@ class StepRecorder:
 
         node.register_prehook(backward_starts)
         return out
+
+    def _predict_as_compiled(self) -> bool:
+        """Before a planned step is measured: predict it from the variants that compiled, each graph's problem
+        and decisions as its compile made them. A plan made on a first variant that ran uncompiled (an
+        Inductor graph's hold-least plan runs eagerly until the step is planned) is solved on that variant's
+        problem, without Inductor's fusions; the Inductor compile solves its own and may decide otherwise (on
+        HF GPT-2, one 3 MiB value saved instead of recomputed). Measured against the planned figures, that
+        difference was counted at the step's turn as eager code's, for good. A compiled step predicted over its
+        budget is planned again (from the compiled problems) instead of measured. Returns whether to measure."""
+        planned, self.as_planned = self.as_planned, None
+        if planned is None or self.predicted is None:
+            return True
+        graphs, levels = {}, {}
+        for name, ref in planned.dispatchers.items():
+            dispatcher = ref()
+            step_graph = dispatcher.step_graph() if dispatcher is not None else None
+            if step_graph is None:
+                return True  # gone, or no plan to read: measured against the plan's own figures
+            g, decisions = step_graph
+            graphs[name], levels[name] = g, GraphLevels.of(g.problem, decisions)
+        compiled = predicted_levels(planned.shapes, graphs, levels)
+        if planned.record is not None:
+            planned.record.compiled_peak_bytes = max(compiled[:2])
+        if compiled == self.predicted:
+            return True
+        log.info("dpcs: the compiled variants predict %s B (outside the turn, at it, at the end), the plan %s B",
+                 compiled, self.predicted)
+        fitted = planned.budget is not None and self.predicted_peak <= planned.budget
+        self.predicted, self.predicted_peak = compiled, max(compiled[:2])
+        if fitted and self.predicted_peak > planned.budget and not planned.after_mismatch:
+            log.info("dpcs: the compiled variants predict %d B, over the budget of %d B; planned again",
+                     self.predicted_peak, planned.budget)
+            self.to_plan = self.replan_as_compiled = True
+            return False
+        return True
 
     def _backward_done(self) -> None:
         self.pending -= 1
@@ -688,6 +726,7 @@ class StepRecorder:
 
     def _plan(self) -> StepRecord | None:
         self.to_plan = False
+        self.as_planned = None
         candidates: list[tuple[tuple, StepShape, list[GraphDispatcher]]] = []
         for key, (shape, refs) in list(self.shapes.items()):
             alive = [r() for r in refs]
@@ -719,11 +758,11 @@ class StepRecorder:
 
         optimizers = list(self.optimizers)
 
-        def decide() -> tuple[StepRecord | None, str | None]:
+        def decide() -> tuple[StepRecord | None, str | None, list[StepShape] | None]:
             with paused_collector():  # as in a graph's passes (`heap`)
                 return self._decide(shapes, dispatchers, optimizers, self.blocks, [self._transients(k) for k in planned])
 
-        record, message = rank_agreement.from_rank_zero(decide, "step plan") if agreeing else decide()
+        record, message, counted = rank_agreement.from_rank_zero(decide, "step plan") if agreeing else decide()
         self.plans += 1
         if record is None or record.optimizer_state is None or not record.optimizer_state.get("chosen"):
             self._note_planned(planned, optimizers)
@@ -742,6 +781,9 @@ class StepRecorder:
                 self.verify_in, self.predicted = 0, predicted_levels(shapes, {only.name: g}, levels)
                 self.predicted_peak = max(self.predicted[:2])
                 self.predicted_state_bytes = 0
+                self.as_planned = _AsPlanned(shapes, {only.name: weakref.ref(only)}, only.current_budget_bytes,
+                                             self.replan_as_compiled)
+                self.replan_as_compiled = False
             return None
         add_step_record(record)
         chosen = record.optimizer_state or {}
@@ -776,6 +818,10 @@ class StepRecorder:
         self.verify_in, self.predicted = 1, (record.graphs_peak_bytes, record.turn_peak_bytes, record.end_bytes)
         self.predicted_peak = record.predicted_peak_bytes
         self.predicted_state_bytes = (record.optimizer_state or {}).get("bytes", 0)
+        self.as_planned = _AsPlanned(counted or shapes, {n: weakref.ref(d) for n, d in dispatchers.items()},
+                                     record.budget_bytes if record.feasible else None, self.replan_as_compiled,
+                                     record)
+        self.replan_as_compiled = False
         return record
 
     def _note_planned(self, keys: list[tuple], optimizers: Sequence[torch.optim.Optimizer]) -> None:
@@ -786,8 +832,10 @@ class StepRecorder:
     def _decide(shapes: list[StepShape], dispatchers: dict[str, GraphDispatcher],
                 optimizers: Sequence[torch.optim.Optimizer] = (),
                 blocks: dict[tuple[int, int], _Block] | None = None,
-                transients: Sequence[dict[tuple, int]] | None = None) -> tuple[StepRecord | None, str | None]:
-        """The step plan as a record, and the error message when no plan fits (None when it does)."""
+                transients: Sequence[dict[tuple, int]] | None = None,
+                ) -> tuple[StepRecord | None, str | None, list[StepShape] | None]:
+        """The step plan as a record, the error message when no plan fits (None when it does), and the shapes
+        as planned (the model state's choice counted in; None without a record)."""
         started = time.perf_counter()
         graphs: dict[str, GraphStep] = {}
         current: dict[str, tuple[str, ...]] = {}
@@ -799,7 +847,7 @@ class StepRecorder:
                     "memory plan to re-make (it fell back, or is not a training graph); each graph keeps its own plan",
                     stacklevel=5,
                 )
-                return None, None
+                return None, None, None
             graphs[name], current[name] = step_graph
         settled = not any(d.bucket in d.provisional for d in dispatchers.values())
         profile = _planning_profile(dispatchers.values())
@@ -807,7 +855,7 @@ class StepRecorder:
                                                      _host_link(profile), transients,
                                                      profile.memory_bandwidth if profile is not None else None)
         if plan.alone:
-            return None, None  # one graph: its own plan is the step's (its compile raised or warned already)
+            return None, None, None  # one graph: its own plan is the step's (its compile raised or warned already)
         budget = min(int(d.current_budget_bytes or 0) for d in dispatchers.values()) or None
         peak = plan.peak
         peak_node = _node_name(dispatchers[peak.graph], peak.step)
@@ -839,7 +887,7 @@ class StepRecorder:
             solves=plan.solves,
         )
         if plan.feasible:
-            return record, None
+            return record, None, shapes
         held = graphs[holds_most].held(plan.levels[holds_most].boundary)
         message = (
             f"{describe_budget(budget or 0)} cannot be met for the training step of {len(record.calls)} graph calls "
@@ -848,7 +896,19 @@ class StepRecorder:
             f"{holds_most} holds the most for its backward while the others run ({format_bytes(held)})"
             f"{_split(record)}"
         )
-        return record, message
+        return record, message, shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class _AsPlanned:
+    """What a step plan's prediction was made from: the shapes as planned, the graphs (by name; weakly), and
+    the budget a fitting plan holds (None for one that does not fit)."""
+
+    shapes: list[StepShape]
+    dispatchers: dict[str, weakref.ref[GraphDispatcher]]
+    budget: int | None
+    after_mismatch: bool = False  # planned again because compiled variants went over: not again for this
+    record: StepRecord | None = None  # the step plan's record (None: one graph's own plan)
 
 
 class _Meter:

@@ -156,3 +156,54 @@ def test_two_steps_of_one_shape_count_per_call_the_one_that_freed_less_with_what
     assert _covering(covered, a) == covered  # a step like one already seen changes nothing (no re-plan)
     unseen = StepShape(instances=("g", "h"), parameter_bytes=100)  # a step that could not tell: nothing freed
     assert _covering(a, unseen).call_backward_freed == ()
+
+
+def test_a_planned_step_is_predicted_from_its_compiled_variants_before_it_is_measured(monkeypatch):
+    """A plan made on a first variant that ran uncompiled may be compiled otherwise (on HF GPT-2 under Inductor,
+    a 3 MiB value saved that the plan recomputed): the step is checked against what the compiled variants
+    predict, not the plan's figures, so the difference is not counted at the turn as eager code's. Compiled
+    over the budget a plan fitted, the step is planned again instead of measured, once. The graphs' problems
+    are stood in for: each variant's (problem, decisions) reads as its predicted levels."""
+    import weakref
+
+    import dpcs_compiler.runtime.step as step
+    from dpcs_compiler.report import StepRecord
+
+    monkeypatch.setattr(step.GraphLevels, "of", staticmethod(lambda problem, decisions: problem))
+    monkeypatch.setattr(step, "predicted_levels", lambda shapes, graphs, levels: max(levels.values()))
+
+    class Variant:
+        def __init__(self, levels):
+            self.levels = levels
+
+        def step_graph(self):
+            return type("G", (), {"problem": self.levels})(), ("saved",)
+
+    record = StepRecord(step="step_x", calls=["a", "b"], budget_bytes=10_000_000, predicted_peak_bytes=9_000_000,
+                        peak_graph="a", peak_node=None, peak_phase="backward", feasible=True, replanned=True)
+    a, b = Variant((8_000_000, 6_000_000, 1)), Variant((9_000_000, 7_000_000, 1))
+    STEPS.reset()
+    try:
+        def planned(after_mismatch=False):
+            STEPS.predicted, STEPS.predicted_peak = (9_000_000, 7_000_000, 1), 9_000_000
+            STEPS.as_planned = step._AsPlanned([], {"a": weakref.ref(a), "b": weakref.ref(b)}, 10_000_000,
+                                               after_mismatch, record)
+
+        planned()
+        assert STEPS._predict_as_compiled() and STEPS.predicted == (9_000_000, 7_000_000, 1)  # as planned
+        assert record.compiled_peak_bytes == 9_000_000 and STEPS.as_planned is None
+
+        b.levels = (9_000_000, 9_500_000, 1)  # compiled holding 2.5 MB more at the turn, within the budget
+        planned()
+        assert STEPS._predict_as_compiled() and not STEPS.to_plan
+        assert STEPS.predicted == (9_000_000, 9_500_000, 1) and STEPS.predicted_peak == 9_500_000
+        assert record.compiled_peak_bytes == 9_500_000
+
+        b.levels = (10_500_000, 7_000_000, 1)  # compiled over the budget the plan held: planned again, not measured
+        planned()
+        assert not STEPS._predict_as_compiled() and STEPS.to_plan and STEPS.replan_as_compiled
+        STEPS.to_plan = STEPS.replan_as_compiled = False
+        planned(after_mismatch=True)  # the plan made again is compiled over it too: measured (and corrected) now
+        assert STEPS._predict_as_compiled() and not STEPS.to_plan and STEPS.predicted_peak == 10_500_000
+    finally:
+        STEPS.reset()
