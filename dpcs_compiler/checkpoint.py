@@ -202,10 +202,13 @@ def save(directory: str | os.PathLike, step: int, *, model: torch.nn.Module | No
     _on_rank_zero(prepare, "checkpoint directory")
     tensors = _state(model, optimizer)
     if asynchronous and tensors:
+        stager = _stager_for(tensors)
         with _single_process_quiet():
             response = dcp.async_save(tensors, checkpoint_id=str(partial), process_group=_async_group(),
-                                      no_dist=rank_agreement.world() is None, async_stager=_stager_for(tensors))
+                                      no_dist=rank_agreement.world() is None, async_stager=stager)
         future = getattr(response, "upload_completion", response)
+        if stager is not None:  # its pinned copies are released once written (closing twice is harmless)
+            future.add_done_callback(lambda _: stager.close())
         if (rank_agreement.world() or (0, 1))[0] == 0:  # the files hashed as soon as written, off this thread
             future.add_done_callback(lambda _: digest())
         else:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -288,3 +289,36 @@ def test_a_closed_dcp_stager_cannot_stage_again():
     stager.close()
     with pytest.raises(KeyError, match="type"):
         stager.stage(state)
+
+
+def test_an_asynchronous_saves_own_stager_is_closed_once_its_files_are_written(tmp_path, monkeypatch):
+    """The stager of a CUDA save holds its pinned copies until closed: closed when the upload completes. A host
+    stager stands in for the pinned one here (no GPU in CI)."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    closed = []
+
+    class Recorded(DefaultStager):
+        def close(self):
+            closed.append(self)
+            super().close()
+
+    made = []
+
+    def stager_for(tensors):
+        made.append(Recorded(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                            use_async_staging=False, use_non_blocking_copy=False)))
+        return made[-1]
+
+    monkeypatch.setattr(checkpoint, "_stager_for", stager_for)
+    model = torch.nn.Linear(4, 3)
+    for step in (1, 2):
+        checkpoint.save(tmp_path, step, model=model, asynchronous=True)
+        checkpoint.wait()
+    deadline = time.monotonic() + 30  # closed by the upload future's callback, which may run just after wait()
+    while len(closed) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(made) == 2 and made[0] is not made[1] and closed == made
+    restored = torch.nn.Linear(4, 3)
+    assert checkpoint.resume(tmp_path, model=restored) == 2
+    torch.testing.assert_close(restored.weight, model.weight)
