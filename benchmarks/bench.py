@@ -328,9 +328,10 @@ def prepare(strategy: Strategy, base: LossModule, inputs: Sequence[torch.Tensor]
         records = records_since(records_before)
         if strategy.kind == "dpcs":
             _dpcs_fields(result, records)
-            for field in ("predicted_peak_bytes", "compiled_peak_bytes"):  # the model's own, as measured
-                if result.get(field) is not None and result.get("budget_outside_bytes"):
-                    result[field] -= result["budget_outside_bytes"]
+            outside = result.get("budget_outside_bytes") if result.get("error") is None and result.get("step") else 0
+            for field in ("predicted_peak_bytes", "compiled_peak_bytes"):  # a step plan's: the model's own
+                if result.get(field) is not None and outside:
+                    result[field] = max(0, result[field] - outside)
 
 
 def held_outside(device: torch.device, own: Sequence[torch.Tensor]) -> int:
@@ -919,7 +920,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             bench_progress.advance()
             # Each model's results are on disk as soon as they are measured: a run cut short keeps them.
             partial = {**payload, "partial": len(payload["models"]) < len(args.models)}
-            stem.with_suffix(".json").write_text(json.dumps(partial, indent=2) + "\n")
+            written = stem.with_suffix(".json.partial")
+            written.write_text(json.dumps(partial, indent=2) + "\n")
+            os.replace(written, stem.with_suffix(".json"))  # whole or not at all, if the run is killed meanwhile
     torch._dynamo.reset()
     payload["load_average_after"] = _load_average()
     payload["partial"] = False

@@ -98,9 +98,10 @@ def _stager_for(tensors: Any) -> Any:
     copies (the step stalls for the device-to-host copy only); host tensors: None, DCP's own copy.
 
     A new stager for every save. A DCP stager that has been closed fails its next staging with
-    `KeyError: <class 'type'>`, and torch 2.11's `DefaultStager` closes its copier after every stage: one
-    stager kept from save to save failed every asynchronous save after the first on an H200. The pinned
-    buffers are therefore not reused between saves."""
+    `KeyError: <class 'type'>`, and torch 2.11's `DefaultStager` closes its copier after a stage (inferred: a
+    stager kept from save to save failed an asynchronous save so on an H200, also with its `close` a no-op).
+    The pinned buffers are therefore not reused between saves; `save` closes each stager once its files are
+    written."""
     if not _on_cuda(tensors):
         return None
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -203,9 +204,14 @@ def save(directory: str | os.PathLike, step: int, *, model: torch.nn.Module | No
     tensors = _state(model, optimizer)
     if asynchronous and tensors:
         stager = _stager_for(tensors)
-        with _single_process_quiet():
-            response = dcp.async_save(tensors, checkpoint_id=str(partial), process_group=_async_group(),
-                                      no_dist=rank_agreement.world() is None, async_stager=stager)
+        try:
+            with _single_process_quiet():
+                response = dcp.async_save(tensors, checkpoint_id=str(partial), process_group=_async_group(),
+                                          no_dist=rank_agreement.world() is None, async_stager=stager)
+        except BaseException:
+            if stager is not None:
+                stager.close()
+            raise
         future = getattr(response, "upload_completion", response)
         if stager is not None:  # its pinned copies are released once written (closing twice is harmless)
             future.add_done_callback(lambda _: stager.close())

@@ -294,5 +294,5 @@ def measure_training_step(
         resident_bytes=resident,
         step_seconds=statistics.median(times),
         graphs=len(new_records),
-        outside_bytes=None if peak.baseline_bytes is None else peak.baseline_bytes - resident,
+        outside_bytes=None if peak.baseline_bytes is None else max(0, peak.baseline_bytes - resident),
     )

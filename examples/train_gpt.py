@@ -38,7 +38,7 @@ from dpcs_compiler import CompressedOptimizer, Runtime, compile_records
 from dpcs_compiler.report import describe_step, predicted_step_peak
 from dpcs_compiler.debug.render import format_bytes
 from dpcs_compiler.debug.summary import hardware_lines
-from dpcs_compiler.measure import measure_training_step, optimizer_state_bytes
+from dpcs_compiler.measure import measure_training_step, optimizer_state_bytes, resident_bytes
 from dpcs_compiler.models import workload
 
 
@@ -83,7 +83,8 @@ def main() -> None:
     del reference, unplanned
     # On CUDA the budget bounds what the allocator holds, cuBLAS's workspaces too (about 65 MiB on an H200): the
     # fraction applies to the model's own peak, and what the process holds beside the model is added.
-    outside = baseline.outside_bytes or 0
+    # (less this model's own copy, alive on the device while the reference was measured)
+    outside = max(0, (baseline.outside_bytes or 0) - resident_bytes([*model.parameters(), *model.buffers()]))
     budget = int(outside + args.budget_fraction * baseline.own_peak_bytes)
     beside = f" plus {format_bytes(outside)} the process holds beside the model" if outside else ""
     console.print(

@@ -61,6 +61,7 @@ from dpcs_compiler.cost.step_model import (
     end_bytes,
     plan_step,
     predicted_levels,
+    step_peak,
     with_offloaded,
 )
 from dpcs_compiler.debug.render import format_bytes
@@ -403,18 +404,23 @@ class StepRecorder:
             g, decisions = step_graph
             graphs[name], levels[name] = g, GraphLevels.of(g.problem, decisions)
         compiled = predicted_levels(planned.shapes, graphs, levels)
+        peak = step_peak(planned.shapes, graphs, levels).bytes  # every phase, the optimizer step's too
         if planned.record is not None:
-            planned.record.compiled_peak_bytes = max(compiled[:2])
+            planned.record.compiled_peak_bytes = peak
         if compiled == self.predicted:
             return True
         log.info("dpcs: the compiled variants predict %s B (outside the turn, at it, at the end), the plan %s B",
                  compiled, self.predicted)
         fitted = planned.budget is not None and self.predicted_peak <= planned.budget
-        self.predicted, self.predicted_peak = compiled, max(compiled[:2])
-        if fitted and self.predicted_peak > planned.budget and not planned.after_mismatch:
+        self.predicted, self.predicted_peak = compiled, peak
+        over = fitted and peak > planned.budget and not planned.after_mismatch
+        if self._ranks_agree():  # planning takes collectives: every rank decides alike
+            over = any(rank_agreement.every_rank(over))
+        if over:
             log.info("dpcs: the compiled variants predict %d B, over the budget of %d B; planned again",
-                     self.predicted_peak, planned.budget)
+                     peak, planned.budget)
             self.to_plan = self.replan_as_compiled = True
+            self.quiet = 0  # not stable: the plan is due
             return False
         return True
 
@@ -727,6 +733,7 @@ class StepRecorder:
     def _plan(self) -> StepRecord | None:
         self.to_plan = False
         self.as_planned = None
+        after_mismatch, self.replan_as_compiled = self.replan_as_compiled, False
         candidates: list[tuple[tuple, StepShape, list[GraphDispatcher]]] = []
         for key, (shape, refs) in list(self.shapes.items()):
             alive = [r() for r in refs]
@@ -781,9 +788,8 @@ class StepRecorder:
                 self.verify_in, self.predicted = 0, predicted_levels(shapes, {only.name: g}, levels)
                 self.predicted_peak = max(self.predicted[:2])
                 self.predicted_state_bytes = 0
-                self.as_planned = _AsPlanned(shapes, {only.name: weakref.ref(only)}, only.current_budget_bytes,
-                                             self.replan_as_compiled)
-                self.replan_as_compiled = False
+                # Re-predicted from its compiled variant, not planned again (a plan of one graph is its own).
+                self.as_planned = _AsPlanned(shapes, {only.name: weakref.ref(only)}, None)
             return None
         add_step_record(record)
         chosen = record.optimizer_state or {}
@@ -819,9 +825,7 @@ class StepRecorder:
         self.predicted_peak = record.predicted_peak_bytes
         self.predicted_state_bytes = (record.optimizer_state or {}).get("bytes", 0)
         self.as_planned = _AsPlanned(counted or shapes, {n: weakref.ref(d) for n, d in dispatchers.items()},
-                                     record.budget_bytes if record.feasible else None, self.replan_as_compiled,
-                                     record)
-        self.replan_as_compiled = False
+                                     record.budget_bytes if record.feasible else None, after_mismatch, record)
         return record
 
     def _note_planned(self, keys: list[tuple], optimizers: Sequence[torch.optim.Optimizer]) -> None:

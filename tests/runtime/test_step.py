@@ -171,6 +171,8 @@ def test_a_planned_step_is_predicted_from_its_compiled_variants_before_it_is_mea
 
     monkeypatch.setattr(step.GraphLevels, "of", staticmethod(lambda problem, decisions: problem))
     monkeypatch.setattr(step, "predicted_levels", lambda shapes, graphs, levels: max(levels.values()))
+    monkeypatch.setattr(step, "step_peak", lambda shapes, graphs, levels: type("Peak", (), {
+        "bytes": max(max(v[:2]) for v in levels.values())})())
 
     class Variant:
         def __init__(self, levels):
@@ -201,7 +203,9 @@ def test_a_planned_step_is_predicted_from_its_compiled_variants_before_it_is_mea
 
         b.levels = (10_500_000, 7_000_000, 1)  # compiled over the budget the plan held: planned again, not measured
         planned()
+        STEPS.quiet = 1
         assert not STEPS._predict_as_compiled() and STEPS.to_plan and STEPS.replan_as_compiled
+        assert STEPS.quiet == 0  # the plan is due: watching does not stop as stable before it
         STEPS.to_plan = STEPS.replan_as_compiled = False
         planned(after_mismatch=True)  # the plan made again is compiled over it too: measured (and corrected) now
         assert STEPS._predict_as_compiled() and not STEPS.to_plan and STEPS.predicted_peak == 10_500_000
