@@ -279,7 +279,7 @@ def prepare(strategy: Strategy, base: LossModule, inputs: Sequence[torch.Tensor]
     graphs_before = _unique_graphs()
     try:
         module = copy.deepcopy(base)
-        if strategy.kind == "dpcs":
+        if strategy.kind == "dpcs" and strategy.budget_bytes is not None:
             # dpcs bounds what the process holds at the step's peak (on CUDA the allocator's absolute level):
             # what it holds for the other strategies and for cuBLAS is added to the budget, which, like every
             # peak here, is the model's own (its resident bytes and what its step allocates).
