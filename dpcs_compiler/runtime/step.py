@@ -37,9 +37,11 @@ import gc
 import itertools
 import json
 import logging
+import os
 import time
 import warnings
 import weakref
+from pathlib import Path
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -407,6 +409,8 @@ class StepRecorder:
         peak = step_peak(planned.shapes, graphs, levels).bytes  # every phase, the optimizer step's too
         if planned.record is not None:
             planned.record.compiled_peak_bytes = peak
+            for path, line in planned.dumped:  # the dumped plan says it too
+                _dump_step_record(path, planned.record, line)
         if compiled == self.predicted:
             return True
         log.info("dpcs: the compiled variants predict %s B (outside the turn, at it, at the end), the plan %s B",
@@ -804,10 +808,8 @@ class StepRecorder:
                 for po in {b.offload() for b in self.blocks.values() if b.chosen} - {None}:
                     po.use([m for m in po.modules if (id(po), id(m)) in out])
             self._note_planned(planned, optimizers)  # as they keep their state now
-        for root in {d.options.dump_dir for d in dispatchers.values() if d.options.dump_dir is not None}:
-            root.mkdir(parents=True, exist_ok=True)
-            with open(root / STEPS_FILE, "a") as f:
-                f.write(json.dumps(record.to_json()) + "\n")
+        dumped = [_dump_step_record(root / STEPS_FILE, record)
+                  for root in {d.options.dump_dir for d in dispatchers.values() if d.options.dump_dir is not None}]
         log.info(
             "dpcs: %s of %d graph calls: predicted peak %d B at %s (%s, %s)%s",
             record.step, len(record.calls), record.predicted_peak_bytes, record.peak_graph, record.peak_phase,
@@ -825,7 +827,8 @@ class StepRecorder:
         self.predicted_peak = record.predicted_peak_bytes
         self.predicted_state_bytes = (record.optimizer_state or {}).get("bytes", 0)
         self.as_planned = _AsPlanned(counted or shapes, {n: weakref.ref(d) for n, d in dispatchers.items()},
-                                     record.budget_bytes if record.feasible else None, after_mismatch, record)
+                                     record.budget_bytes if record.feasible else None, after_mismatch, record,
+                                     dumped)
         return record
 
     def _note_planned(self, keys: list[tuple], optimizers: Sequence[torch.optim.Optimizer]) -> None:
@@ -913,6 +916,27 @@ class _AsPlanned:
     budget: int | None
     after_mismatch: bool = False  # planned again because compiled variants went over: not again for this
     record: StepRecord | None = None  # the step plan's record (None: one graph's own plan)
+    dumped: list[tuple[Path, int]] = dataclasses.field(default_factory=list)  # its lines in STEPS_FILEs
+
+
+def _dump_step_record(path: Path, record: StepRecord, line: int | None = None) -> tuple[Path, int]:
+    """Write `record` to the STEPS_FILE `path`: appended (`line` None), or in place of line `line`, where it
+    was appended before (rewritten whole, through a temporary file: a reader never sees half a file). Returns
+    the path and the line it holds."""
+    text = json.dumps(record.to_json())
+    if line is None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lines = path.read_text().splitlines() if path.is_file() else []
+        with open(path, "a") as f:
+            f.write(text + "\n")
+        return path, len(lines)
+    lines = path.read_text().splitlines() if path.is_file() else []
+    if line < len(lines) and json.loads(lines[line]).get("step") == record.step:
+        lines[line] = text
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        temporary.write_text("\n".join(lines) + "\n")
+        os.replace(temporary, path)
+    return path, line
 
 
 class _Meter:

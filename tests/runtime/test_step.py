@@ -3,6 +3,8 @@ together, and how a measured excess is counted."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import warnings
 
 import torch
@@ -158,7 +160,7 @@ def test_two_steps_of_one_shape_count_per_call_the_one_that_freed_less_with_what
     assert _covering(a, unseen).call_backward_freed == ()
 
 
-def test_a_planned_step_is_predicted_from_its_compiled_variants_before_it_is_measured(monkeypatch):
+def test_a_planned_step_is_predicted_from_its_compiled_variants_before_it_is_measured(monkeypatch, tmp_path):
     """A plan made on a first variant that ran uncompiled may be compiled otherwise (on HF GPT-2 under Inductor,
     a 3 MiB value saved that the plan recomputed): the step is checked against what the compiled variants
     predict, not the plan's figures, so the difference is not counted at the turn as eager code's. Compiled
@@ -197,9 +199,18 @@ def test_a_planned_step_is_predicted_from_its_compiled_variants_before_it_is_mea
 
         b.levels = (9_000_000, 9_500_000, 1)  # compiled holding 2.5 MB more at the turn, within the budget
         planned()
+        # The plan's dumped line (written when it was made) is rewritten with the compiled prediction.
+        steps_file = tmp_path / "steps.jsonl"
+        steps_file.write_text('{"step": "earlier"}\n')
+        STEPS.as_planned.dumped.append(step._dump_step_record(steps_file, record))
+        step._dump_step_record(steps_file, dataclasses.replace(record, step="later"))
+        assert json.loads(steps_file.read_text().splitlines()[1])["compiled_peak_bytes"] == 9_000_000  # as made
         assert STEPS._predict_as_compiled() and not STEPS.to_plan
         assert STEPS.predicted == (9_000_000, 9_500_000, 1) and STEPS.predicted_peak == 9_500_000
         assert record.compiled_peak_bytes == 9_500_000
+        lines = [json.loads(line) for line in steps_file.read_text().splitlines()]
+        assert [line["step"] for line in lines] == ["earlier", "step_x", "later"]
+        assert lines[1]["compiled_peak_bytes"] == 9_500_000 and lines[2]["compiled_peak_bytes"] == 9_000_000
 
         b.levels = (10_500_000, 7_000_000, 1)  # compiled over the budget the plan held: planned again, not measured
         planned()
