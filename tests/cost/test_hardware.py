@@ -73,10 +73,16 @@ def test_a_backend_measures_real_kernels_while_dynamos_fake_mode_is_active():
     assert in_partitioner.launch_overhead_s < 2 * real.launch_overhead_s
 
 
-def idle_cpu_share() -> float:
-    """The share on this machine with nothing started by the test; the best of three readings, so a passing
-    burst of another process on a CI machine does not fail it."""
-    return max(measure_cpu_share() for _ in range(3))
+def idle_cpu_share(window_s: float = 30.0) -> float:
+    """The share on this machine with nothing started by the test: the best reading within `window_s`, taken
+    until one says not busy. The other pytest worker's test may run two rank processes for seconds at a time
+    (one reading of 0.497 was seen while one did): a machine idle but for this test is one where that ends."""
+    best, start = 0.0, time.monotonic()
+    while best < BUSY_CPU_SHARE and time.monotonic() - start < window_s:
+        best = max(best, measure_cpu_share())
+        if best < BUSY_CPU_SHARE:
+            time.sleep(0.2)
+    return best
 
 
 def test_an_idle_machine_is_not_busy():

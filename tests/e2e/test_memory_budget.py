@@ -52,11 +52,15 @@ def step_gradients(model, compiled, inputs, loss_fn):
 @pytest.mark.parametrize("compiler", COMPILERS)
 def test_planned_steps_match_unplanned_numerics_with_dropout(compiler):
     w = gpt_workload(dropout=0.1)
-    low, high = reachable_range(w, compiler)
+    # Under Inductor the lowest plan only (the most recomputed dropout, at a budget no plan meets; Inductor's
+    # compile is the cost here, so no compiles to find the reachable range first).
+    budgets = (1,)
+    if compiler == "eager":
+        low, high = reachable_range(w, compiler)
+        budgets = (high, (low + high) // 2, low)
     torch._dynamo.reset()
     expected = step_gradients(w.model, dpcs_compile(w.model, compiler), w.inputs, w.loss_fn)
-    # Under Inductor the lowest plan only (the most recomputed dropout; Inductor's compile is the cost here).
-    for budget in (high, (low + high) // 2, low) if compiler == "eager" else (low,):
+    for budget in budgets:
         torch._dynamo.reset()
         clear_compile_records()
         compiled = dpcs_compile(w.model, compiler, memory_budget=budget, on_infeasible="best")
@@ -122,7 +126,7 @@ def test_inductor_llama_plans_stay_within_budget_and_predict_the_peak():
     w = bench_workload("llama", quick=True)
     low, high = reachable_range(w, "inductor")
     rows = []
-    for fraction in (0.15, 0.5, 0.85):
+    for fraction in (0.15, 0.5):  # (each an Inductor compile: the budget tests near no pressure are eager's)
         budget = int(low + fraction * (high - low))
         result, record = measured_step(w, "inductor", memory_budget=budget)
         rows.append((budget, record.predicted_peak_bytes, result.measured_peak_bytes, record.plan_feasible,
