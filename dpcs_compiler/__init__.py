@@ -13,6 +13,7 @@ importing Dynamo and Inductor, which the backend needs (seconds per process).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -32,7 +33,27 @@ _EXPORTS = {
         "PrecisionPolicy", "PrecisionPolicyConfig", "Runtime", "RuntimeConfig", "Telemetry")},
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "Cadence",
+    "CompileRecord",
+    "CompressedOptimizer",
+    "DpcsFallbackWarning",
+    "DpcsOptions",
+    "MemoryPolicy",
+    "MemoryPolicyConfig",
+    "ParameterOffload",
+    "PeakMemory",
+    "Policy",
+    "PrecisionPolicy",
+    "PrecisionPolicyConfig",
+    "Runtime",
+    "RuntimeConfig",
+    "Telemetry",
+    "clear_compile_records",
+    "compile_records",
+    "dpcs_backend",
+    "measure_peak_memory",
+]
 
 if TYPE_CHECKING:
     from dpcs_compiler.backend import DpcsFallbackWarning, dpcs_backend
@@ -55,13 +76,19 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
+    """A public name, or a submodule not imported yet (`dpcs_compiler.report.step_records()` after a bare
+    `import dpcs_compiler`, as when the package imported its modules itself)."""
     module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'dpcs_compiler' has no attribute {name!r}; its public names: {', '.join(__all__)}")
-    value = getattr(importlib.import_module(module), name)
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+    elif not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module 'dpcs_compiler' has no attribute {name!r}; its public names: "
+                             f"{', '.join(__all__)} (and its submodules)")
     globals()[name] = value  # later lookups skip this function
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted({*__all__, "__version__"})

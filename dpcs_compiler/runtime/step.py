@@ -32,17 +32,19 @@ process started are all planned for, so steps that alternate between branches ho
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import itertools
 import json
 import logging
 import os
+import tempfile
 import time
 import warnings
 import weakref
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -409,8 +411,8 @@ class StepRecorder:
         peak = step_peak(planned.shapes, graphs, levels).bytes  # every phase, the optimizer step's too
         if planned.record is not None:
             planned.record.compiled_peak_bytes = peak
-            for path, line in planned.dumped:  # the dumped plan says it too
-                _dump_step_record(path, planned.record, line)
+            for at in planned.dumped:  # the dumped plan says it too
+                _dump_step_record(at[0], planned.record, at)
         if compiled == self.predicted:
             return True
         log.info("dpcs: the compiled variants predict %s B (outside the turn, at it, at the end), the plan %s B",
@@ -810,6 +812,7 @@ class StepRecorder:
             self._note_planned(planned, optimizers)  # as they keep their state now
         dumped = [_dump_step_record(root / STEPS_FILE, record)
                   for root in {d.options.dump_dir for d in dispatchers.values() if d.options.dump_dir is not None}]
+        dumped = [d for d in dumped if d is not None]
         log.info(
             "dpcs: %s of %d graph calls: predicted peak %d B at %s (%s, %s)%s",
             record.step, len(record.calls), record.predicted_peak_bytes, record.peak_graph, record.peak_phase,
@@ -906,6 +909,9 @@ class StepRecorder:
         return record, message, shapes
 
 
+Dumped = tuple[Path, int, str]  # a step plan's line in a STEPS_FILE: the file, the line's index, its text
+
+
 @dataclasses.dataclass(frozen=True)
 class _AsPlanned:
     """What a step plan's prediction was made from: the shapes as planned, the graphs (by name; weakly), and
@@ -916,27 +922,61 @@ class _AsPlanned:
     budget: int | None
     after_mismatch: bool = False  # planned again because compiled variants went over: not again for this
     record: StepRecord | None = None  # the step plan's record (None: one graph's own plan)
-    dumped: list[tuple[Path, int]] = dataclasses.field(default_factory=list)  # its lines in STEPS_FILEs
+    dumped: list[Dumped] = dataclasses.field(default_factory=list)  # its lines in STEPS_FILEs
 
 
-def _dump_step_record(path: Path, record: StepRecord, line: int | None = None) -> tuple[Path, int]:
-    """Write `record` to the STEPS_FILE `path`: appended (`line` None), or in place of line `line`, where it
-    was appended before (rewritten whole, through a temporary file: a reader never sees half a file). Returns
-    the path and the line it holds."""
+@contextlib.contextmanager
+def _steps_file_lock(path: Path) -> Iterator[None]:
+    """Hold a lock on `path` for a read-then-write (ranks of one job may share a dump folder): an advisory
+    lock on a hidden file beside it, where the platform has fcntl."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: unlocked
+        yield
+        return
+    with open(path.with_name(f".{path.name}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _dump_step_record(path: Path, record: StepRecord, at: Dumped | None = None) -> Dumped | None:
+    """Write `record` to the STEPS_FILE `path`: appended (`at` None; on a line of its own even after a line a
+    killed process left unended), or in place of the line `at` says it wrote before, if that line is still
+    its text (the file rewritten whole through a temporary beside it: a reader never sees half a file).
+    Returns where the line is; None if it could not be written: a dump is a report, and training goes on
+    (logged)."""
     text = json.dumps(record.to_json())
-    if line is None:
+    try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        lines = path.read_text().splitlines() if path.is_file() else []
-        with open(path, "a") as f:
-            f.write(text + "\n")
-        return path, len(lines)
-    lines = path.read_text().splitlines() if path.is_file() else []
-    if line < len(lines) and json.loads(lines[line]).get("step") == record.step:
-        lines[line] = text
-        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        temporary.write_text("\n".join(lines) + "\n")
-        os.replace(temporary, path)
-    return path, line
+        with _steps_file_lock(path):
+            data = path.read_text() if path.is_file() else ""
+            if at is None:
+                lead = "\n" if data and not data.endswith("\n") else ""
+                with open(path, "a") as f:
+                    f.write(lead + text + "\n")
+                return path, len((data + lead).splitlines()), text
+            lines = data.splitlines()
+            line, written = at[1], at[2]
+            if line >= len(lines) or lines[line] != written:
+                log.warning("dpcs: the step plan's line in %s is gone; not updated", path)
+                return None
+            lines[line] = text
+            handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            try:
+                with os.fdopen(handle, "w") as f:
+                    f.write("\n".join(lines) + "\n")
+                os.replace(temporary, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(temporary)
+                raise
+            return path, line, text
+    except OSError as error:
+        log.warning("dpcs: the step plan could not be written to %s: %s", path, error)
+        return None
 
 
 class _Meter:

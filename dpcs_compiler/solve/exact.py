@@ -10,7 +10,8 @@ own row, active only when c is made again exactly at t (before[t] + candidates a
 
 Every plan returned is measured with `plan_memory`. Row bounds sit half a byte above the budget; a plan
 HiGHS's tolerances still let over the budget is cut off and the program solved again. When no plan fits,
-a second program minimises the peak, then the fastest plan at that peak is found.
+the lowest peak is searched from the fast solver's lowest plan (is there a plan under it?), then the
+fastest plan at that peak is found.
 """
 
 from __future__ import annotations
@@ -239,25 +240,15 @@ def _run(
     objective: np.ndarray,
     memory_rhs: np.ndarray,
     keep: np.ndarray,
-    peak_column: bool,
     cuts: list[np.ndarray],
     seconds: float,
 ) -> tuple[np.ndarray | None, int]:
     """One HiGHS call: the kept memory rows (<= memory_rhs, scaled units), the link rows, one decision per
-    candidate, and a cut excluding each binary vector in `cuts`. peak_column: a last column P (the last
-    objective entry) that every memory row subtracts. Returns (x or None, HiGHS status: 0 optimal, 2
-    infeasible, 1 time limit)."""
+    candidate, and a cut excluding each binary vector in `cuts`. Returns (x or None, HiGHS status: 0
+    optimal, 2 infeasible, 1 time limit)."""
     n = prog.binaries // 3
-    columns = prog.columns + (1 if peak_column else 0)
-    mem = (prog.memory.tocsr()[keep] / _byte_unit(prog)).tocoo()
-    rows, cols, vals = [mem.row], [mem.col], [mem.data]
-    if peak_column:
-        rows.append(np.arange(mem.shape[0]))
-        cols.append(np.full(mem.shape[0], prog.columns))
-        vals.append(np.full(mem.shape[0], -1.0))
-    memory = coo_array(
-        (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(mem.shape[0], columns)
-    )
+    columns = prog.columns
+    memory = (prog.memory.tocsr()[keep] / _byte_unit(prog)).tocoo()
     one_each = coo_array((np.ones(3 * n), (np.repeat(np.arange(n), 3), np.arange(3 * n))), shape=(n, columns))
     constraints = [LinearConstraint(memory, -np.inf, memory_rhs), LinearConstraint(one_each, 1.0, 1.0)]
     if prog.link.shape[0]:
@@ -268,8 +259,8 @@ def _run(
         at = (np.repeat(np.arange(len(cuts)), n), chosen.ravel())
         cut = coo_array((np.ones(chosen.size), at), shape=(len(cuts), columns))
         constraints.append(LinearConstraint(cut, -np.inf, n - 1.0))
-    upper = np.concatenate((prog.upper, [np.inf])) if peak_column else prog.upper
-    # Every column is integer: the a's are 0/1 at every integral point anyway, and P counts byte units.
+    upper = prog.upper
+    # Every column is integer: the a's are 0/1 at every integral point anyway.
     # HiGHS 1.12 (scipy 1.17) returned worse plans as "optimal" when they were continuous (tests/solve).
     integrality = np.ones(columns)
     with warnings.catch_warnings(), _stdout_silenced():
@@ -324,7 +315,7 @@ def _min_seconds(
             decisions, status = tuple(DECISIONS[int(k)] for k in np.argmin(costs, axis=1)), 0 if not cuts else 1
         else:
             rhs = (room[keep] + 0.5) / unit
-            x, status = _run(prog, _scaled_cost(prog), rhs, keep, False, cuts, deadline - time.perf_counter())
+            x, status = _run(prog, _scaled_cost(prog), rhs, keep, cuts, deadline - time.perf_counter())
             if x is None:
                 return None, status == 2 and margin == 0
             decisions = _decisions(x, n)
@@ -339,21 +330,29 @@ def _min_seconds(
 
 
 def _lowest_peak_fastest(
-    problem: MemoryProblem, prog: _Program, budget: int, deadline: float
+    problem: MemoryProblem, prog: _Program, budget: int, start: tuple[str, ...], deadline: float
 ) -> tuple[tuple[str, ...] | None, bool]:
-    """The fastest of the plans with the lowest peak, and whether that is proven: from the fast solver's
-    lowest plan, ask for a plan under its peak until there is none, then for the fastest at that peak.
+    """The fastest of the plans with the lowest peak, and whether that is proven, when no plan fits `budget`
+    (proven): is there a plan under the peak of `start` (the fast solver's lowest plan)? If not, that peak is
+    the lowest; if so, the lowest lies between the budget and that plan's peak, found by bisection (each
+    probe the fastest plan under a peak, or proof that there is none). Then the fastest plan at that peak.
 
-    The start is the fast solver's, not a program minimizing the peak: on the quick bench GPT (59 candidates)
-    that program took 2.6 s and ended 7 KB above the lowest peak, which the descent then reached in six steps
-    of 256 B (0.5 s each); the fast solver's start was the lowest itself, proven in two calls (0.5 s)."""
-    lowest = solve_fast(problem, budget).decisions
-    floor = plan_memory(problem, lowest).peak_bytes
-    while True:
-        lower, proven = _min_seconds(problem, prog, floor - 1, deadline)
-        if lower is None:
-            break
+    The start was a program minimizing the peak: on the quick bench GPT (59 candidates) it took 2.6 s and
+    ended 7 KB above the lowest peak (its rows for a remake's transient are not plan_memory's), which a
+    descent by one plan at a time reached in six steps of 256 B (0.5 s each). The fast solver's lowest plan
+    was the lowest itself: proven in two calls (0.5 s)."""
+    lowest, floor = start, plan_memory(problem, start).peak_bytes
+    lower, proven = _min_seconds(problem, prog, floor - 1, deadline)
+    if lower is not None:
         lowest, floor = lower, plan_memory(problem, lower).peak_bytes
+        below = budget  # no plan within it: proven
+        while proven and floor - below > 1:
+            middle = (below + floor) // 2
+            lower, proven = _min_seconds(problem, prog, middle, deadline)
+            if lower is not None:
+                lowest, floor = lower, plan_memory(problem, lower).peak_bytes
+            elif proven:
+                below = middle
     if not proven:
         return lowest, False
     fastest, proven = _min_seconds(problem, prog, floor, deadline)
@@ -372,11 +371,13 @@ def solve_exact(problem: MemoryProblem, budget_bytes: int, *, time_limit_s: floa
         return measured_solution(problem, saved, budget_bytes, "exact", time.perf_counter() - start)
     prog = _formulate(problem)
     decisions, proven = _min_seconds(problem, prog, budget_bytes, deadline)
+    fast = None
     if decisions is None and proven:
-        decisions, proven = _lowest_peak_fastest(problem, prog, budget_bytes, deadline)
+        fast = solve_fast(problem, budget_bytes)
+        decisions, proven = _lowest_peak_fastest(problem, prog, budget_bytes, fast.decisions, deadline)
     if decisions is not None and proven:
         return measured_solution(problem, decisions, budget_bytes, "exact", time.perf_counter() - start)
-    best = solve_fast(problem, budget_bytes)
+    best = fast if fast is not None else solve_fast(problem, budget_bytes)
     if decisions is not None:
         exact = measured_solution(problem, decisions, budget_bytes, "exact", 0.0)
         if _rank(exact) <= _rank(best):

@@ -199,9 +199,10 @@ def test_a_planned_step_is_predicted_from_its_compiled_variants_before_it_is_mea
 
         b.levels = (9_000_000, 9_500_000, 1)  # compiled holding 2.5 MB more at the turn, within the budget
         planned()
-        # The plan's dumped line (written when it was made) is rewritten with the compiled prediction.
+        # The plan's dumped line (written when it was made) is rewritten with the compiled prediction; a line
+        # a killed process left unended stays its own.
         steps_file = tmp_path / "steps.jsonl"
-        steps_file.write_text('{"step": "earlier"}\n')
+        steps_file.write_text('{"step": "earlier"}')
         STEPS.as_planned.dumped.append(step._dump_step_record(steps_file, record))
         step._dump_step_record(steps_file, dataclasses.replace(record, step="later"))
         assert json.loads(steps_file.read_text().splitlines()[1])["compiled_peak_bytes"] == 9_000_000  # as made
@@ -222,3 +223,18 @@ def test_a_planned_step_is_predicted_from_its_compiled_variants_before_it_is_mea
         assert STEPS._predict_as_compiled() and not STEPS.to_plan and STEPS.predicted_peak == 10_500_000
     finally:
         STEPS.reset()
+
+
+def test_a_dumped_step_plan_says_what_its_compiled_variants_predict(tmp_path):
+    """The step plan's line in dump_dir/steps.jsonl is written when the plan is made; the prediction from its
+    compiled variants comes a step later and is written into that same line."""
+    model = BranchingNet(d=32, blocks=1)
+    compiled = dpcs_compile(model, memory_budget=10**9, dump_dir=tmp_path)
+    train(model, compiled, torch.randn(64, 32), 4)
+    (record,) = step_records()
+    lines = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [record.step]
+    assert record.compiled_peak_bytes is not None
+    assert lines[0]["compiled_peak_bytes"] == record.compiled_peak_bytes
+    assert lines[0]["predicted_peak_bytes"] == record.predicted_peak_bytes
+

@@ -81,6 +81,29 @@ def test_exact_matches_brute_force(seed: int, kind: str) -> None:
         assert solution.added_seconds == pytest.approx(fastest_lowest, rel=1e-9, abs=1e-15)
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+def test_lowest_peak_is_found_and_proven_from_the_worst_start(monkeypatch, seed: int) -> None:
+    """No plan fits: the search for the lowest peak starts from the fast solver's lowest plan. Started from
+    the plan that saves everything instead (the highest peak), the bisection still ends at the lowest peak
+    and the fastest plan there, proven (solver "exact", not the fast fallback)."""
+    import dpcs_compiler.solve.exact as exact
+
+    problem, plans = brute_force(seed)
+    lowest = min(peak for peak, _ in plans)
+    started, fast = [], exact.solve_fast
+
+    def worst_start(problem, budget, **kwargs):
+        started.append(budget)
+        return dataclasses.replace(fast(problem, budget, **kwargs), decisions=problem.all_saved())
+
+    monkeypatch.setattr(exact, "solve_fast", worst_start)
+    solution = solve_exact(problem, lowest - 1)
+    assert started == [lowest - 1]  # the start was asked for once (and reused had it been needed again)
+    assert solution.solver == "exact" and not solution.feasible and solution.peak_bytes == lowest
+    fastest_lowest = min(seconds for peak, seconds in plans if peak == lowest)
+    assert solution.added_seconds == pytest.approx(fastest_lowest, rel=1e-9, abs=1e-15)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_solution_is_measured_by_the_memory_model(seed: int) -> None:
     problem = random_problem(seed, steps=200, candidates=30, can_offload=seed % 2 == 0)
