@@ -402,7 +402,7 @@ BENCH_MODELS = ("mlp", "gpt", "llama", "convnet", "breaks", "hf_gpt2", "gpt_long
 
 
 def bench_workload(name: str, *, quick: bool = False, seed: int = 0) -> Workload:
-    """The `dpcs bench` workloads: "mlp", "gpt" (4 layers), "llama" (transformers, random init), "convnet",
+    """The `dpcs bench` workloads: "mlp", "gpt" (4 layers; 2 when quick), "llama" (transformers, random init), "convnet",
     "breaks" (`BranchingNet`: two graph breaks, three graphs per step), "hf_gpt2" (`HFGPT2LM`, transformers,
     two graphs per step), "gpt_long" (the 4-layer GPT at sequence length 1024).
 
@@ -416,7 +416,7 @@ def bench_workload(name: str, *, quick: bool = False, seed: int = 0) -> Workload
         x = torch.randn(batch, d, generator=generator)
         return Workload(name, BlockMLP(d, d, 10, layers=layers + 1), (x,), _mean_square)
     if name == "gpt":
-        cfg = GPTConfig(vocab=128, block_size=32, d_model=32, heads=2, layers=4) if quick else GPTConfig(
+        cfg = GPTConfig(vocab=128, block_size=32, d_model=32, heads=2, layers=2) if quick else GPTConfig(
             vocab=512, block_size=128, d_model=256, heads=4, layers=4
         )
         batch = 2 if quick else 8
