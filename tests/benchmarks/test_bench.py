@@ -183,13 +183,16 @@ def test_dpcs_budgets_dedupe_and_below(bench):
         strategy("eager_ac", 100 * MiB, compiled=False),
         strategy("compile", 150 * MiB),
         strategy("compile_amb=1", 150 * MiB + 1000),  # within 0.5%: one budget
+        strategy("compile_amb=0", 150 * MiB - 1000),  # within 0.5% but recomputing: a budget of its own
         strategy("compile_amb=0.5", 120 * MiB),
+        strategy("sac", 120 * MiB + 2000),  # within 0.5%, recomputing: one budget, the lower peak
     ]
     budgets = bench.dpcs_budgets(upstream, [0.85, 0.7])
     assert [b for b, _ in budgets] == [
-        150 * MiB + 1000, 120 * MiB, 100 * MiB, int(100 * MiB * 0.85), int(100 * MiB * 0.7)
+        150 * MiB, 150 * MiB - 1000, 120 * MiB, 100 * MiB, int(100 * MiB * 0.85), int(100 * MiB * 0.7)
     ]
-    assert "compile" in budgets[0][1] and "compile_amb=1" in budgets[0][1]
+    assert budgets[0][1] == "peak of compile_amb=1, compile" and budgets[1][1] == "peak of compile_amb=0"
+    assert budgets[2][1] == "peak of sac, compile_amb=0.5"
     assert bench.dpcs_budgets([], [0.85]) == []
 
 
