@@ -222,10 +222,19 @@ def dpcs_budgets(upstream: Sequence[Strategy], below: Sequence[float]) -> list[t
 CALIBRATED_PREFIX = {"ops": "dpcs_cal", "steps": "dpcs_stepcal", "steps_refined": "dpcs_stepcal2"}
 
 
+def budget_labels(budgets: Sequence[int]) -> list[str]:
+    """How each budget is named: MiB to 4 digits, or its bytes where two budgets would share that name (the
+    T=1024 GPT's amb 0 peaked 24 KB above compile's: 153.8 MiB both, and the second point was skipped as
+    a duplicate)."""
+    short = [f"{b / MiB:.4g}MiB" for b in budgets]
+    return [label if short.count(label) == 1 else f"{b}B" for b, label in zip(budgets, short)]
+
+
 def dpcs_strategy(budget: int, source: str, compiler: str, strict: bool = True, calibrate: str | None = None,
-                  calibration: dict[str, float | None] | None = None) -> Strategy:
+                  calibration: dict[str, float | None] | None = None, label: str | None = None) -> Strategy:
     """dpcs at `budget`; calibrate: None (the profile's roofline), "ops" (option calibrate: the roofline fitted
-    to the graph's own ops) or "steps" (option calibration: `calibration`, fitted to measured steps)."""
+    to the graph's own ops) or "steps" (option calibration: `calibration`, fitted to measured steps). Named
+    `<prefix>@<label>` (label: `budget_labels`, by default the budget in MiB)."""
     options: dict[str, Any] = {"memory_budget": int(budget), "on_infeasible": "best", "compiler": compiler}
     if strict:  # a failing dpcs stage is this point's error, not a plain-Inductor point labelled dpcs
         options["strict"] = True
@@ -243,7 +252,7 @@ def dpcs_strategy(budget: int, source: str, compiler: str, strict: bool = True, 
                              dynamic=False)
 
     return Strategy(
-        f"{CALIBRATED_PREFIX.get(calibrate, 'dpcs')}@{budget / MiB:.4g}MiB",
+        f"{CALIBRATED_PREFIX.get(calibrate, 'dpcs')}@{label or budget_labels([budget])[0]}",
         "dpcs",
         build,
         compiled=True,
@@ -444,10 +453,12 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device, log: Ca
             prepare_with_retry(s, base, inputs, device=device, warmup=args.warmup, sgd=args.sgd, log=log)
             model_progress.advance()
         if "dpcs" in args.strategies:
-            for budget, source in dpcs_budgets(strategies, args.dpcs_below):
+            budgets = dpcs_budgets(strategies, args.dpcs_below)
+            for (budget, source), label in zip(budgets, budget_labels([b for b, _ in budgets])):
                 variants = [None, "ops"] if args.calibrate == "ops" and source.startswith("peak of ") else [None]
                 for calibrate in variants:  # with --calibrate ops, the pairwise budgets also calibrated
-                    s = dpcs_strategy(budget, source, args.compiler, strict=not args.dpcs_fallback, calibrate=calibrate)
+                    s = dpcs_strategy(budget, source, args.compiler, strict=not args.dpcs_fallback, calibrate=calibrate,
+                                      label=label)
                     if any(t.name == s.name for t in strategies):
                         continue
                     log(f"[{name}] {s.name} ({source}): compiling / warming up")
@@ -558,7 +569,7 @@ def replan_and_time(name: str, plains: list[Strategy], strategies: list[Strategy
     pairs = []
     for plain in plains:
         s = dpcs_strategy(plain.budget_bytes, plain.budget_source, args.compiler, strict=not args.dpcs_fallback,
-                          calibrate=calibrate, calibration=calibration)
+                          calibrate=calibrate, calibration=calibration, label=plain.name.split("@", 1)[1])
         log(f"[{name}] {s.name} ({s.budget_source}): compiling / warming up")
         model_progress.detail(f"{s.name}: compiling / warming up")
         prepare_with_retry(s, base, inputs, device=device, warmup=args.warmup, sgd=args.sgd, log=log)

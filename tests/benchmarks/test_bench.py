@@ -193,6 +193,9 @@ def test_dpcs_budgets_dedupe_and_below(bench):
     ]
     assert budgets[0][1] == "peak of compile_amb=1, compile" and budgets[1][1] == "peak of compile_amb=0"
     assert budgets[2][1] == "peak of sac, compile_amb=0.5"
+    # Budgets that share a name in MiB are named by their bytes (each its own point, none skipped as a repeat).
+    assert bench.budget_labels([150 * MiB, 150 * MiB - 1000, 120 * MiB]) == [
+        f"{150 * MiB}B", f"{150 * MiB - 1000}B", "120MiB"]
     assert bench.dpcs_budgets([], [0.85]) == []
 
 
