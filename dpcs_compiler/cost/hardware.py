@@ -38,7 +38,6 @@ import os
 import platform
 import re
 import statistics
-import tempfile
 import time
 import types
 from collections.abc import Callable, Iterator, Mapping
@@ -48,6 +47,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from dpcs_compiler.cost.budget import device_memory
+from dpcs_compiler.files import write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -460,14 +460,7 @@ def _store(path: Path, profile: HardwareProfile) -> bool:
     """Write atomically (temporary file, then rename); a cache that cannot be written is only logged (False)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(profile_to_json(profile))
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        write_text_atomic(path, profile_to_json(profile))
     except OSError as e:
         log.warning("hardware profile not cached at %s: %s", path, e)
         return False

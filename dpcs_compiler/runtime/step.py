@@ -38,8 +38,6 @@ import gc
 import itertools
 import json
 import logging
-import os
-import tempfile
 import time
 import warnings
 import weakref
@@ -72,6 +70,7 @@ from dpcs_compiler.debug.render import format_bytes
 from dpcs_compiler.heap import paused_collector
 from dpcs_compiler.passes.analysis.planning import Freeable, StepSharing
 from dpcs_compiler.measure import BEFORE_PROFILING, CpuMemoryProfile, optimizer_state_bytes
+from dpcs_compiler.files import write_text_atomic
 from dpcs_compiler.report import _ON_CLEAR, STEPS_FILE, StepRecord, add_step_record, compile_count
 from dpcs_compiler.cost.memory_model import MemoryProblem, plan_seconds
 from dpcs_compiler.cost.model_state import (
@@ -964,15 +963,7 @@ def _dump_step_record(path: Path, record: StepRecord, at: Dumped | None = None) 
                 log.warning("dpcs: the step plan's line in %s is gone; not updated", path)
                 return None
             lines[line] = text
-            handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-            try:
-                with os.fdopen(handle, "w") as f:
-                    f.write("\n".join(lines) + "\n")
-                os.replace(temporary, path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(temporary)
-                raise
+            write_text_atomic(path, "\n".join(lines) + "\n")
             return path, line, text
     except OSError as error:
         log.warning("dpcs: the step plan could not be written to %s: %s", path, error)

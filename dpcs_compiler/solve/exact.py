@@ -237,14 +237,13 @@ def _decisions(x: np.ndarray, n: int) -> tuple[str, ...]:
 
 def _run(
     prog: _Program,
-    objective: np.ndarray,
     memory_rhs: np.ndarray,
     keep: np.ndarray,
     cuts: list[np.ndarray],
     seconds: float,
 ) -> tuple[np.ndarray | None, int]:
-    """One HiGHS call: the kept memory rows (<= memory_rhs, scaled units), the link rows, one decision per
-    candidate, and a cut excluding each binary vector in `cuts`. Returns (x or None, HiGHS status: 0
+    """One HiGHS call, the least added seconds: the kept memory rows (<= memory_rhs, scaled units), the link
+    rows, one decision per candidate, and a cut excluding each binary vector in `cuts`. Returns (x or None, HiGHS status: 0
     optimal, 2 infeasible, 1 time limit)."""
     n = prog.binaries // 3
     columns = prog.columns
@@ -267,7 +266,7 @@ def _run(
         # The tolerances are HiGHS options scipy passes on verbatim, with a warning that it does.
         warnings.filterwarnings("ignore", message="Unrecognized options detected", category=RuntimeWarning)
         result = milp(
-            objective,
+            _scaled_cost(prog),
             constraints=constraints,
             integrality=integrality,
             bounds=Bounds(np.zeros(columns), upper),
@@ -315,7 +314,7 @@ def _min_seconds(
             decisions, status = tuple(DECISIONS[int(k)] for k in np.argmin(costs, axis=1)), 0 if not cuts else 1
         else:
             rhs = (room[keep] + 0.5) / unit
-            x, status = _run(prog, _scaled_cost(prog), rhs, keep, cuts, deadline - time.perf_counter())
+            x, status = _run(prog, rhs, keep, cuts, deadline - time.perf_counter())
             if x is None:
                 return None, status == 2 and margin == 0
             decisions = _decisions(x, n)
