@@ -342,6 +342,9 @@ class StepRecorder:
             inputs[storage.data_ptr()] = storage.nbytes()
             if i in held_inputs:
                 held[storage.data_ptr()] = storage.nbytes()
+        root = dispatcher.root() if dispatcher.root is not None else None
+        if root is not None and fsdp is None:
+            _count_unseen_parameters(root, args, parameters, offloads, bucket_views, outside)
         # What the earlier calls left that no graph counts while this one runs (not its own inputs: its own).
         forward_others = _alive_elsewhere(self.calls, None, {p for c in self.calls for p in c.held} | set(inputs))
         # The optimizers of this step's parameters: their state is alive through it.
@@ -666,6 +669,8 @@ class StepRecorder:
             inputs_held_before.append(sum(n for p, n in c.inputs.items() if p in held_before))
             held_twice.append(sum(n for p, n in c.held.items() if p in held_before and p in c.inputs))
             held_before.update(c.held)
+        for key in [k for k in outside if k in parameters]:
+            del outside[key]  # a parameter one call does not take and another does (its gradient counted with it)
         fsdp = next((c.fsdp for c in reversed(calls) if c.fsdp is not None), None)
         offload = _offload_blocks(calls, blocks)
         shape = StepShape(
@@ -1273,6 +1278,23 @@ def _counted(calls: Sequence[str]) -> list[str]:
 STEPS = StepRecorder()
 _ON_CLEAR.append(STEPS.reset)
 BEFORE_PROFILING.append(STEPS.finish_reading)
+
+
+def _count_unseen_parameters(root: torch.nn.Module, args: Sequence[Any], parameters: dict[int, int],
+                             offloads: dict, bucket_views: bool, outside: dict[int, int]) -> None:
+    """Add to `outside` (by storage) the parameters of the compiled module on the call's device that this call
+    does not take, and their gradients: alive through the step whoever reads them. A graph break in a layer
+    leaves the embedding to eager code (Hugging Face models), which no graph counted: the step went over its
+    budget by the embedding's bytes. (A parameter a later call takes is counted once, with it: `_shape`.)"""
+    device = next((x.device for x in args if isinstance(x, torch.Tensor)), None)
+    for p in root.parameters():
+        if p.device != device or id(p) in offloads:
+            continue
+        storage = p.untyped_storage()
+        if storage.data_ptr() in parameters or not storage.nbytes():
+            continue
+        gradient = p.grad.untyped_storage().nbytes() if p.grad is not None and not bucket_views else 0
+        outside[storage.data_ptr()] = storage.nbytes() + gradient  # by the parameter, as `gradients` is
 
 
 def _optimizers_of(parameters: dict[int, int], offloaded: Sequence[torch.Tensor] = ()) -> list[torch.optim.Optimizer]:

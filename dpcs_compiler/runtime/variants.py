@@ -23,7 +23,9 @@ compile time, so a resumed run compiles the restored variant first; a graph comp
 from __future__ import annotations
 
 import dataclasses
+import dis
 import fnmatch
+import sys
 import logging
 import time
 import warnings
@@ -179,6 +181,65 @@ def variant_options(base: DpcsOptions, decisions: Decisions | None, modules: fro
     return dataclasses.replace(base, **changes)
 
 
+
+_RETURNS = frozenset({"RETURN_VALUE", "RETURN_CONST"})
+_DYNAMO_ENTRIES = frozenset({"compile_wrapper", "_fn"})  # torch._dynamo.eval_frame's wrappers of a compiled callable
+
+
+def _frames_inside_compiled_callable() -> list | None:
+    """The frames running inside the torch.compile'd callable (`torch._dynamo.eval_frame`'s wrapper) above the
+    compile now under way, innermost first, torch's and dpcs's own left out except the callable itself (the
+    wrapper's callee: `Module._wrapped_call_impl` of a compiled module); None outside a wrapper."""
+    import os
+
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+    own_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    frames, callee = [], None
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename.startswith(torch_dir):
+            if code.co_name in _DYNAMO_ENTRIES and code.co_filename.endswith(os.path.join("_dynamo", "eval_frame.py")):
+                if callee is not None and (not frames or frames[-1] is not callee):
+                    frames.append(callee)
+                return frames
+        elif not code.co_filename.startswith(own_dir):
+            frames.append(frame)
+        callee = frame
+        frame = frame.f_back
+    return None
+
+
+def more_of_frame_follows() -> bool:
+    """Whether the graph being compiled is called from code inside the compiled callable that goes on after
+    it returns: then the graph's saved values stay alive while more graphs (or eager code) of the step run,
+    as at a graph break, though the graph itself ends normally.
+
+    A graph break inside a nested call (a forward hook, a layer loop: Hugging Face models break there) leaves
+    Dynamo compiling the inner frames whole (`compile_subgraph_reason` "return_value", not a graph break),
+    called from the outer frames running eagerly or as Dynamo's transformed code. Those callers are the
+    frames between the compile and torch.compile's wrapper (`torch._dynamo.eval_frame`), torch's and dpcs's
+    own aside; one whose next instruction is not a return goes on. A resume function after a graph break is
+    called as its frame's return value: not "more". Outside a wrapper (no caller known): False."""
+    frames = _frames_inside_compiled_callable()
+    return frames is not None and any(_goes_on(f) for f in frames[:-1] if f.f_code.co_name != "_wrapped_call_impl")
+
+
+def compiled_root_module() -> torch.nn.Module | None:
+    """The module torch.compile compiled, when the graph being compiled runs inside one (None for a compiled
+    function): its parameters are the step's even where only eager code reads them."""
+    frames = _frames_inside_compiled_callable()
+    if not frames or frames[-1].f_code.co_name != "_wrapped_call_impl":
+        return None
+    root = frames[-1].f_locals.get("self")
+    return root if isinstance(root, torch.nn.Module) else None
+
+
+def _goes_on(frame) -> bool:
+    following = next((i for i in dis.get_instructions(frame.f_code) if i.offset > frame.f_lasti), None)
+    return following is not None and following.opname not in _RETURNS
+
+
 class GraphDispatcher:
     """What the backend returns for one Dynamo graph: the current variant, switched by its control."""
 
@@ -233,6 +294,7 @@ class GraphDispatcher:
         # The first variant compiles now, inside Dynamo's compile (its tracing context current), from the
         # inputs Dynamo gave, as a backend without runtimes would.
         self.current_key = ""
+        self.root: weakref.ref[torch.nn.Module] | None = None
         self.participates = participates = options.memory_budget is not None and options.budget_scope == "step"
         if participates:
             from dpcs_compiler.runtime.step import STEPS
@@ -240,8 +302,11 @@ class GraphDispatcher:
             # Before the step's order is known (the step planner plans it again after the step): compiled in the
             # middle of a step, planned against what the graphs that ran before it hold; ending at a graph break,
             # so more graphs follow while it holds what it saved, planned to hold least.
+            # The module compiled: its parameters are alive through the step, read by a graph or not.
+            root = compiled_root_module()
+            self.root = weakref.ref(root) if root is not None else None
             provisional = STEPS.provisional_context(example_inputs)
-            if getattr(getattr(gm, "compile_subgraph_reason", None), "graph_break", False):
+            if getattr(getattr(gm, "compile_subgraph_reason", None), "graph_break", False) or more_of_frame_follows():
                 provisional = dataclasses.replace(provisional or StepContext(), hold_least=True)
             if provisional is not None:
                 self.step_contexts[self.bucket] = provisional

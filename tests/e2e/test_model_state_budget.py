@@ -209,7 +209,10 @@ def test_the_step_planner_chooses_which_blocks_to_offload():
           f"options {chosen['options']}")
     assert chosen["offloadable_blocks"] == 4 and 0 < chosen["offloaded_blocks"] < 4
     assert len(tight["offloaded"]) == chosen["offloaded_blocks"]
-    assert all(r.offloaded_values == 0 for r in tight["records"]), "no activation offloaded (host copies on CPU)"
+    # The planned step offloads no activation (host copies on CPU). (Its first step, run before the step is
+    # known, holds least: each block's graph goes on to more of the stack's forward, `more_of_frame_follows`.)
+    last = {(r.variant_of or r.graph): r for r in tight["records"] if r.mode == "training"}
+    assert all(last[g].offloaded_values == 0 for g in tight["record"].calls), "activation offloaded"
     assert tight["record"].feasible and tight["measured"] <= budget
     assert abs(tight["measured"] - tight["record"].predicted_peak_bytes) <= 0.01 * tight["measured"]
     on_cpu = train_offloaded(budget, 1, auto=True, on_infeasible="best")  # the reference CPU: host is the device

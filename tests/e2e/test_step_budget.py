@@ -22,7 +22,7 @@ from dpcs_compiler import clear_compile_records, compile_records
 from dpcs_compiler.cost.budget import WORKSPACE_FRACTION
 from dpcs_compiler.measure import measure_peak_memory, measure_training_step, resident_bytes
 from dpcs_compiler.models import workload
-from dpcs_compiler.report import step_records
+from dpcs_compiler.report import predicted_step_peak, step_records
 from dpcs_compiler.stages.job import BudgetInfeasibleError
 from dpcs_compiler.stages.memory_plan import TORCH_SOLVER
 
@@ -373,3 +373,114 @@ def test_logits_freed_between_two_graphs_are_not_counted_in_their_backwards():
     model.zero_grad(set_to_none=True)
     model(x, y).backward()
     torch.testing.assert_close(got, {n: p.grad for n, p in model.named_parameters()}, atol=1e-5, rtol=1e-4)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.b(torch.nn.functional.gelu(self.a(x)))
+
+
+class _HookedBlocks(torch.nn.Module):
+    """Blocks in a loop, the first two with a forward hook that breaks the graph: Dynamo compiles the hooked
+    blocks' frames whole (their `compile_subgraph_reason` is no graph break) and runs the loop around them
+    eagerly, as in Hugging Face models that break inside a layer."""
+
+    def __init__(self, width: int = 128) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Block(width) for _ in range(3))
+        for block in self.blocks[:2]:
+            block.register_forward_hook(lambda module, args, out: torch._dynamo.graph_break())
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def test_the_first_step_holds_the_budget_when_the_graph_breaks_in_a_nested_call():
+    """The sweep of Hugging Face models found the first step 10-20% over the budget where the break sits in a
+    layer: the graphs before it end normally, so they were planned alone against the whole budget. A graph
+    called from code of the compiled callable that goes on after it (`runtime.variants.more_of_frame_follows`)
+    now holds least in the first step, as one ending at a graph break does."""
+    torch.manual_seed(0)
+    model = _HookedBlocks()
+    x = torch.randn(1024, 128, generator=torch.Generator().manual_seed(1))
+    baseline = resident_bytes([*model.parameters(), x])
+
+    def steps(n, **options):
+        torch._dynamo.reset()
+        clear_compile_records()
+        compiled = dpcs_compile(model, **options)
+
+        def step():
+            model.zero_grad(set_to_none=True)
+            compiled(x).backward()
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return [measure_peak_memory(step)[1].absolute(baseline) for _ in range(n)]
+
+    unplanned = steps(2)[-1]
+    steps(2, memory_budget=1, on_infeasible="best")
+    lowest = step_records()[-1].predicted_peak_bytes
+    budget = int(lowest + 0.1 * (unplanned - lowest))
+    peaks = steps(3, memory_budget=budget)
+    first = [r for r in compile_records() if r.mode == "training"][:3]
+    print(f"budget {budget} B (lowest {lowest}, unplanned {unplanned}): steps measured {peaks}")
+    assert [bool(r.step_context and r.step_context["hold_least"]) for r in first] == [True, True, False]
+    assert max(peaks) <= budget
+
+
+class _EagerEmbedding(torch.nn.Module):
+    """An embedding only eager code reads (as a graph break in a layer leaves a Hugging Face model's), then
+    graphs: no graph takes the embedding's 2 MB weight."""
+
+    def __init__(self, vocab: int = 8000, width: int = 64) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.blocks = torch.nn.ModuleList(_Block(width) for _ in range(2))
+        self.head = torch.nn.Linear(width, 512)
+
+    @torch.compiler.disable
+    def embed_eagerly(self, ids):
+        return self.embed(ids)
+
+    def forward(self, ids, labels):
+        x = self.embed_eagerly(ids)
+        for block in self.blocks:
+            x = block(x)
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def test_parameters_only_eager_code_reads_count_for_the_step():
+    """The step counted the parameters its graphs take: an embedding read by eager code alone was left out,
+    and the step went over its budget by about its bytes (1.15 MB over, 2.05 MB above the prediction). The
+    compiled module's other parameters now count as memory alive through the step
+    (`runtime.step._count_unseen_parameters`)."""
+    torch.manual_seed(0)
+    model = _EagerEmbedding()
+    g = torch.Generator().manual_seed(1)
+    inputs = (torch.randint(0, 8000, (4, 64), generator=g), torch.randint(0, 512, (4, 64), generator=g))
+
+    def measured(**options):
+        torch._dynamo.reset()
+        clear_compile_records()
+        compiled = dpcs_compile(model, **{"compiler": "eager", **options})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return measure_training_step(model, compiled, inputs, warmup=4, repeats=1).measured_peak_bytes
+
+    unplanned = measured()
+    measured(memory_budget=1, on_infeasible="best")
+    lowest = predicted_step_peak().predicted_peak_bytes
+    budget = (unplanned + lowest) // 2
+    peak = measured(memory_budget=budget)
+    predicted = predicted_step_peak().predicted_peak_bytes
+    print(f"budget {budget} B: measured {peak} B, predicted {predicted} B")
+    assert peak <= budget
+    assert abs(predicted - peak) <= 0.02 * peak
+    assert step_records()[-1].outside_bytes >= model.embed.weight.numel() * 4
