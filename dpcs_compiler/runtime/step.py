@@ -269,6 +269,8 @@ class StepRecorder:
         """An unwatched call of a participant (training, between plans): the order of calls since the last call
         of the step's first graph is compared with the orders planned for when that graph is called again, and
         an order not seen (graphs compiled before, run in another order) starts the watch at this step's start."""
+        if dispatcher.forward_only:
+            return  # no autograd graph: never in a step's order (a mask or rotary table made under grad mode)
         first = self.latest_key[0][0] if self.latest_key[0] else None
         if dispatcher.name == first and self.glanced:
             order, self.glanced = tuple(self.glanced), []
@@ -357,6 +359,7 @@ class StepRecorder:
         leaves = pytree.tree_leaves(out)
         node = next((t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
         if node is None:
+            dispatcher.forward_only = True  # its calls are left out of the step's order (`glance`)
             return out
         outputs = [t for t in leaves if isinstance(t, torch.Tensor)]
         for i in sharing.held_outputs if sharing is not None else ():

@@ -295,6 +295,7 @@ class GraphDispatcher:
         # inputs Dynamo gave, as a backend without runtimes would.
         self.current_key = ""
         self.root: weakref.ref[torch.nn.Module] | None = None
+        self.forward_only = False  # a watched call made no autograd graph (`StepRecorder.call`)
         self.participates = participates = options.memory_budget is not None and options.budget_scope == "step"
         if participates:
             from dpcs_compiler.runtime.step import STEPS
