@@ -63,14 +63,21 @@ def test_measuring_this_cpu_gives_positive_finite_figures_and_no_host_link():
 
 def test_a_backend_measures_real_kernels_while_dynamos_fake_mode_is_active():
     """The partitioner, where plans are made, runs under a fake mode and the Python dispatcher: a matmul timed
-    there returned at once (1.1e15 FLOP/s on a 2-core CPU), and a 1-element add cost 3x its eager time."""
-    real = measure_hardware_profile("cpu")
-    with FakeTensorMode(), enable_python_dispatcher():
-        in_partitioner = measure_hardware_profile("cpu")
-    for name in ("float32", "bfloat16"):
-        assert in_partitioner.matmul_flops[name] < 20 * real.matmul_flops[name]
-    assert in_partitioner.memory_bandwidth < 20 * real.memory_bandwidth
-    assert in_partitioner.launch_overhead_s < 2 * real.launch_overhead_s
+    there returned at once (1.1e15 FLOP/s on a 2-core CPU), and a 1-element add cost 3x its eager time, every
+    time. The launch overhead is microseconds, so the other pytest worker's load can double one reading
+    (3.9 against 1.8 us was seen in CI): it is compared up to three times, and once under 2x is enough."""
+    ratios = []
+    for _ in range(3):
+        real = measure_hardware_profile("cpu")
+        with FakeTensorMode(), enable_python_dispatcher():
+            in_partitioner = measure_hardware_profile("cpu")
+        for name in ("float32", "bfloat16"):
+            assert in_partitioner.matmul_flops[name] < 20 * real.matmul_flops[name]
+        assert in_partitioner.memory_bandwidth < 20 * real.memory_bandwidth
+        ratios.append(in_partitioner.launch_overhead_s / real.launch_overhead_s)
+        if ratios[-1] < 2:
+            break
+    assert min(ratios) < 2, ratios
 
 
 def idle_cpu_share(window_s: float = 30.0) -> float:
