@@ -132,7 +132,8 @@ class PartCompiler:
                 # Checked as soon as Inductor has fused it: a plan over the budget is re-made before any code
                 # is generated for it.
                 probe = stack.enter_context(probe_scheduled_peak(
-                    resident=resident, present=present, check=lambda peak: self.check_schedule(kind, peak)
+                    resident=resident, present=present, check=lambda peak: self.check_schedule(kind, peak),
+                    workspace=self.job.kernel_workspace,
                 ))
             compiled = compile_fx_inner(gm, example_inputs, *args, **kwargs)
         self.job.record.fusions_refused += guard.refused if guard is not None else 0
@@ -192,7 +193,9 @@ class PartCompiler:
             raise _Scheduled(peak)
 
         trial = copy_graph_module(gm)
-        with lowering_as_planned(torchs=False), probe_scheduled_peak(resident=resident, present=present, check=stop):
+        with lowering_as_planned(torchs=False), probe_scheduled_peak(
+            resident=resident, present=present, check=stop, workspace=self.job.kernel_workspace
+        ):
             try:
                 compile_fx_inner(trial, example_inputs, *args, **kwargs)
             except InductorError as error:

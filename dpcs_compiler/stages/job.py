@@ -29,6 +29,7 @@ from dpcs_compiler.passes.analysis import FORWARD, Schedule
 from dpcs_compiler.passes.analysis.fusion import inductor_fusion
 from dpcs_compiler.passes.analysis.memory_timeline import MemoryTimeline
 from dpcs_compiler.passes.analysis.op_sites import example_value
+from dpcs_compiler.passes.analysis.op_workspace import WorkspaceTable, layout_optimized
 from dpcs_compiler.passes.infra import (
     AnalysisCache,
     PassContext,
@@ -133,6 +134,7 @@ class GraphJob:
     sharing: Any | None = None  # `passes.analysis.planning.StepSharing`: what the step's other graphs see
     schedule_node_names: tuple[str, ...] = ()  # the planning schedule's nodes (a problem step's name)
     held_excess: dict[str, int] | None = None  # the excess the plan was last held to the budget with
+    workspace: WorkspaceTable | None = None  # kernels' own workspace under a budget (`with_workspace`)
     torch_plan_refused: bool = False  # torch's partition was compiled and its schedule went over: dpcs plans
 
     @classmethod
@@ -207,9 +209,30 @@ class GraphJob:
 
     def as_compiled(self, schedule: Schedule) -> Schedule:
         """The schedule as the final compiler runs it (Inductor fuses pointwise values away)."""
-        if self.options.compiler != "inductor":
+        if self.options.compiler == "inductor":
+            schedule = schedule.as_inductor(
+                frozenset().union(*(self.ctx.analyses.get(inductor_fusion, g) for g in schedule.graphs))
+            )
+        return self.with_workspace(schedule)
+
+    def with_workspace(self, schedule: Schedule) -> Schedule:
+        """Under a memory budget, `schedule` with the workspace its kernels allocate inside themselves, measured
+        as the final compiler will run them (`passes.analysis.op_workspace`); the first schedule (the joint
+        graph's) decides whether Inductor gives the convolutions channels-last tensors."""
+        if self.options.memory_budget is None:
             return schedule
-        return schedule.as_inductor(frozenset().union(*(self.ctx.analyses.get(inductor_fusion, g) for g in schedule.graphs)))
+        if self.workspace is None:
+            inductor = self.options.compiler == "inductor"
+            self.workspace = WorkspaceTable(inductor=inductor, channels_last=inductor and layout_optimized(schedule.graphs[0]))
+            if self.record.mode == "training" and rank_agreement.world() is not None and self.options.rank_agreement:
+                self.workspace.agree_on(schedule.nodes)  # the joint graph's: every rank compiles it
+        return schedule.with_workspace(self.workspace.bytes_of(schedule.nodes))
+
+    def kernel_workspace(self, origins: Sequence[fx.Node]) -> int:
+        """The workspace of one kernel Inductor schedules, from the FX nodes it comes from (0 without a budget)."""
+        if self.workspace is None:
+            return 0
+        return max(self.workspace.bytes_of(origins).values(), default=0)
 
     def rewrite(self, stage: str, gm: fx.GraphModule, rewrites: Sequence[Rewrite]) -> fx.GraphModule:
         """Apply a stage's rewrites to a copy of `gm`: the original stays intact for the fallbacks."""

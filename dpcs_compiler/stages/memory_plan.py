@@ -163,6 +163,7 @@ def plan_memory_budget(
             compiler=options.compiler,
             analyses=ctx.analyses,
         )
+        schedule = job.with_workspace(schedule)
         planning = ctx.analyses.get(planning_graph, schedule)
         device = graph_device(joint)
         resolved = job.hardware_profile(device)

@@ -16,7 +16,9 @@ runs right after fusion, and simulates its live bytes the way the generated code
 - buffers made and last read inside one fused kernel, which are never allocated (`kernel_local_buffers`);
 - in-place reuse of dying buffers (`in_place_reuses`, Inductor's own rules);
 - graph inputs: resident ones (parameters and user inputs) are never freed, others (a backward's saved
-  values and tangents) are freed after their last read.
+  values and tangents) are freed after their last read;
+- the workspace an extern kernel or fallback (an ATen kernel: a convolution, its backward) allocates inside
+  itself while it runs, given by the caller for the FX nodes it comes from (`op_workspace.WorkspaceTable`).
 
 Inductor's own estimate has none of the last four; with them the simulated peak equals the measured one on
 the test graphs and the benchmark models (`tests/passes/analysis/test_inductor_schedule.py`). The figure
@@ -64,14 +66,16 @@ def probe_available() -> bool:
 
 
 def scheduled_peak(
-    nodes: Sequence, *, resident: frozenset[str] | None, present: frozenset[str] | None
+    nodes: Sequence, *, resident: frozenset[str] | None, present: frozenset[str] | None,
+    workspace: Callable[[Sequence[torch.fx.Node]], int] | None = None,
 ) -> ScheduledPeak:
     """Simulate Inductor's fused scheduler nodes (called inside its scheduler, after fusion).
 
     resident: graph input names never freed (not counted: they are alive before and after the graph), or
     None for every input; present: non-resident input names alive before the graph starts (the start
     level), or None for all of them. Other inputs (a backward's tangents, made for the call) are counted
-    from the start too, but above the start level.
+    from the start too, but above the start level. workspace: the bytes an extern kernel allocates inside
+    itself, from the FX nodes it comes from (None: none).
     """
     from torch._inductor import memory
     from torch._inductor.virtualized import V
@@ -111,10 +115,21 @@ def scheduled_peak(
             delta[last[old.end_step] + 1] += old.size_free
             if out.end_step != -1:
                 delta[last[out.end_step] + 1] += out.size_free - old.size_free
+    if workspace is not None:
+        for i, node in enumerate(order):
+            if node.is_extern() and (nbytes := workspace(extern_origins(node))):
+                delta[first[i]] += nbytes
+                delta[last[i] + 1] -= nbytes
     levels = list(itertools.accumulate(delta))
     at = max(range(len(order)), key=levels.__getitem__)
     start = sum(buf.mpi_buffer.size_free for name, buf in freeable.items() if present is None or name in present)
     return ScheduledPeak(len(order), start, levels[at], levels[-1], order[at].get_name())
+
+
+def extern_origins(node) -> list[torch.fx.Node]:
+    """The FX nodes an extern scheduler node's kernel comes from (Inductor's `origins`), in graph order."""
+    origins = getattr(getattr(node, "node", None), "origins", None) or ()
+    return sorted((n for n in origins if isinstance(n, torch.fx.Node)), key=lambda n: n.name)
 
 
 def _input_buffers(order: Sequence, graph_inputs, resident: frozenset[str] | None) -> dict:
@@ -278,8 +293,10 @@ class ScheduledPeakProbe:
     def __init__(
         self, *, resident: frozenset[str] | None = None, present: frozenset[str] | None = None, chained=None,
         check: Callable[[ScheduledPeak], None] | None = None,
+        workspace: Callable[[Sequence[torch.fx.Node]], int] | None = None,
     ) -> None:
         self.resident, self.present, self.chained, self.check = resident, present, chained, check
+        self.workspace = workspace
         self.peaks: list[ScheduledPeak] = []
         self.errors: list[str] = []  # readings that failed (an Inductor internal this module does not know)
         self.checked: ScheduledPeak | None = None  # the reading `check` was called with
@@ -288,7 +305,7 @@ class ScheduledPeakProbe:
         if self.chained is not None:
             nodes = self.chained(nodes)
         try:
-            self.peaks.append(scheduled_peak(nodes, resident=self.resident, present=self.present))
+            self.peaks.append(scheduled_peak(nodes, resident=self.resident, present=self.present, workspace=self.workspace))
         except Exception as error:  # noqa: BLE001 - a failed reading is reported by the caller, not fatal here
             self.errors.append(f"{type(error).__name__}: {error}")
             return nodes
@@ -302,7 +319,7 @@ class ScheduledPeakProbe:
 
     def __reduce__(self):
         return (ScheduledPeakProbe, (), {"resident": self.resident, "present": self.present, "chained": None, "peaks": [],
-                                         "errors": [], "check": None, "checked": None})
+                                         "errors": [], "check": None, "checked": None, "workspace": None})
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -312,10 +329,12 @@ class ScheduledPeakProbe:
 def probe_scheduled_peak(
     *, resident: frozenset[str] | None = None, present: frozenset[str] | None = None,
     check: Callable[[ScheduledPeak], None] | None = None,
+    workspace: Callable[[Sequence[torch.fx.Node]], int] | None = None,
 ) -> Iterator[ScheduledPeakProbe]:
     """Within the block, every graph Inductor schedules is measured; the probe holds the results (and calls
     `check` on the first, before code is generated: `ScheduledPeakProbe`)."""
     config = torch._inductor.config
-    probe = ScheduledPeakProbe(resident=resident, present=present, chained=config._post_fusion_custom_pass, check=check)
+    probe = ScheduledPeakProbe(resident=resident, present=present, chained=config._post_fusion_custom_pass, check=check,
+                               workspace=workspace)
     with config.patch(_post_fusion_custom_pass=probe):
         yield probe

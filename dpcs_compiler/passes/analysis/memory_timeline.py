@@ -3,7 +3,8 @@
 The simulation walks the schedule: before a node runs, every buffer alive before it is counted; while it
 runs, the buffers it makes are added (its inputs are still alive: the peak is taken here); after it runs,
 buffers whose last use it was are freed. Buffers are sorted into categories (parameters, inputs, saved
-activations, gradients, user outputs, temporaries) so a peak can be explained. Sizes use trace-time hints.
+activations, gradients, user outputs, temporaries, and the workspace a node's kernel allocates inside itself
+while it runs, `Schedule.workspace`) so a peak can be explained. Sizes use trace-time hints.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dpcs_compiler.passes.analysis.liveness import BEFORE_STEP, Liveness, livene
 from dpcs_compiler.passes.analysis.schedule import FORWARD, Schedule
 from dpcs_compiler.passes.analysis.tensor_bytes import Buffer
 
-CATEGORIES = ("parameter", "input", "saved", "gradient", "output", "temporary")
+CATEGORIES = ("parameter", "input", "saved", "gradient", "output", "temporary", "workspace")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +124,7 @@ def simulate(live: Liveness, exclude: frozenset[Buffer] = frozenset()) -> Memory
     for new, old in reuses.items():
         if new in exclude:
             reused_by_excluded[live.buffers[new].start].append(old)
+    workspace = live.schedule.workspace
     for i, node in enumerate(live.schedule.nodes):
         for old in reused_by_excluded[i]:
             alive[categories[old]] -= size[old]
@@ -136,6 +138,7 @@ def simulate(live: Liveness, exclude: frozenset[Buffer] = frozenset()) -> Memory
                 else:
                     alive[categories[old]] -= size[old]
         during = dict(alive)
+        during["workspace"] = workspace.get(node, 0)
         for buffer in taken_over:
             during[categories[buffer]] -= size[buffer]
         for buffer in freed_after[i]:

@@ -165,7 +165,7 @@ def is_random(node: fx.Node) -> bool:
 
 def _closure_peak(nodes: Sequence[fx.Node], buffer: Buffer, live: Liveness) -> int:
     """The most bytes a re-run of `nodes` (in order) holds at once besides `buffer`: each intermediate lives
-    from its node to the last node of the re-run that reads it."""
+    from its node to the last node of the re-run that reads it, and a node's kernel workspace while it runs."""
     last_read: dict[Buffer, int] = {}
     for i, node in enumerate(nodes):
         for arg in node.all_input_nodes:
@@ -177,10 +177,11 @@ def _closure_peak(nodes: Sequence[fx.Node], buffer: Buffer, live: Liveness) -> i
             if b != buffer and b in live.buffers:
                 delta[i] += live.hint(b)
                 delta[max(i, last_read.get(b, i)) + 1] -= live.hint(b)
+    workspace = live.schedule.workspace
     peak = alive = 0
-    for change in delta[:-1]:
+    for node, change in zip(nodes, delta[:-1]):
         alive += change
-        peak = max(peak, alive)
+        peak = max(peak, alive + workspace.get(node, 0))
     return peak
 
 

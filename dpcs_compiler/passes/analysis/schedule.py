@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch.fx as fx
 import torch.utils._pytree as pytree
@@ -38,6 +38,8 @@ class Schedule:
     fused: values the final compiler computes inside their readers' kernels (no buffer of their own).
     reuses_dying_inputs: the final compiler writes a pointwise result into an input buffer of the same
         size that dies at that node (Inductor's inplace_buffers / donated_buffer), instead of allocating.
+    workspace: bytes a node's kernel allocates inside itself while it runs, beyond its outputs (measured,
+        `op_workspace.WorkspaceTable`); nodes without any are left out.
     """
 
     graphs: tuple[GraphModule, ...]
@@ -52,6 +54,7 @@ class Schedule:
     gradients: frozenset[fx.Node]
     fused: frozenset[fx.Node] = frozenset()
     reuses_dying_inputs: bool = False
+    workspace: Mapping[fx.Node, int] = dataclasses.field(default_factory=dict)
 
     @functools.cached_property
     def first_backward_index(self) -> int | None:
@@ -97,6 +100,10 @@ class Schedule:
         """The same schedule run the way Inductor runs it: `fused` values never materialized, and pointwise
         results written in place over same-size inputs that die there."""
         return dataclasses.replace(self, fused=frozenset(fused), reuses_dying_inputs=True)
+
+    def with_workspace(self, workspace: Mapping[fx.Node, int]) -> Schedule:
+        """The same schedule with its kernels' own workspace (node -> bytes, while the node runs)."""
+        return dataclasses.replace(self, workspace=dict(workspace))
 
     @classmethod
     def of_joint(cls, gm: GraphModule, *, num_fwd_outputs: int, parameter_indices: Sequence[int] = ()) -> Schedule:

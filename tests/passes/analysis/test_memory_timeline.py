@@ -52,7 +52,8 @@ def test_a_training_step_sorts_its_bytes_into_categories():
     timeline = memory_timeline(schedule)
 
     def category(parameter=64, input=32, saved=0, gradient=0, output=0, temporary=0):
-        return dict(parameter=parameter, input=input, saved=saved, gradient=gradient, output=output, temporary=temporary)
+        return dict(parameter=parameter, input=input, saved=saved, gradient=gradient, output=output, temporary=temporary,
+                    workspace=0)
 
     assert timeline.resident_bytes == 96
     assert [(s.node, s.phase, s.during, s.after, s.by_category) for s in timeline.steps] == [
