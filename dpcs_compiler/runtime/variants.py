@@ -222,7 +222,14 @@ def more_of_frame_follows() -> bool:
     own aside; one whose next instruction is not a return goes on. A resume function after a graph break is
     called as its frame's return value: not "more". Outside a wrapper (no caller known): False."""
     frames = _frames_inside_compiled_callable()
-    return frames is not None and any(_goes_on(f) for f in frames[:-1] if f.f_code.co_name != "_wrapped_call_impl")
+    if frames is None:
+        return False
+    import os
+
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+    # Every frame of the user's code counts, the compiled function's own included (a compiled module's
+    # callee is torch's `Module._wrapped_call_impl`, which only returns what its forward returned).
+    return any(_goes_on(f) for f in frames if not f.f_code.co_filename.startswith(torch_dir))
 
 
 def compiled_root_module() -> torch.nn.Module | None:

@@ -435,6 +435,27 @@ def test_the_first_step_holds_the_budget_when_the_graph_breaks_in_a_nested_call(
     assert max(peaks) <= budget
 
 
+def test_graphs_in_nested_calls_of_a_compiled_function_hold_least_in_the_first_step():
+    """As above with torch.compile of a plain function: the function's own frame, which goes on after each
+    block, counts (a compiled module's top frame is torch's `_wrapped_call_impl`; a function's is its own)."""
+    torch.manual_seed(0)
+    model = _HookedBlocks(32)
+
+    def blocks_then_loss(x):
+        for block in model.blocks:
+            x = block(x)
+        return x.square().mean()
+
+    compiled = torch.compile(blocks_then_loss, backend="dpcs",
+                             options={"compiler": "eager", "strict": True, "memory_budget": 1, "on_infeasible": "best"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled(torch.randn(64, 32)).backward()
+    training = [r for r in compile_records() if r.mode == "training"]
+    assert training and all(r.step_context and r.step_context["hold_least"] for r in training), \
+        [(r.graph, r.step_context) for r in training]
+
+
 class _EagerEmbedding(torch.nn.Module):
     """An embedding only eager code reads (as a graph break in a layer leaves a Hugging Face model's), then
     graphs: no graph takes the embedding's 2 MB weight."""
