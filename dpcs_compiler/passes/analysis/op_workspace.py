@@ -21,8 +21,9 @@ thread count and the layout the compiler gives its inputs, so it is measured, ne
   ones, integer ones zero, so indices are valid; nothing is drawn from the user's generator) under the
   legacy autograd profiler, which reports every CPU allocation of its thread in order and starts in
   milliseconds (kineto's first start takes over a second): the workspace is the most bytes alive during
-  the call less the outputs' bytes. Results are kept per process (`_MEASURED`). On HF GPT-2 (12 layers,
-  batch 2 x 128) its 22 signatures took 0.3 s, most of it the 50257 x 768 embedding's gradient.
+  the call less the outputs' bytes. Results are kept per process and thread count (`_MEASURED`). On HF
+  GPT-2 (12 layers, batch 2 x 128) its 22 signatures took 0.3 s, most of it the 50257 x 768 embedding's
+  gradient.
 - `WorkspaceTable` gives a schedule's nodes their bytes (`Schedule.workspace`); with rank agreement every
   rank takes, per signature of a training graph, the most any rank measured, so the ranks plan alike.
 
@@ -206,8 +207,8 @@ def op_signature(node: fx.Node, *, inductor: bool = False, channels_last: bool =
     return OpSignature(f"{op._schema.name}.{op._overloadname}", args, kwargs, "cpu")
 
 
-# Measured workspaces in this process, by signature (with rank agreement, the most any rank measured).
-_MEASURED: dict[OpSignature, int] = {}
+# Measured workspaces in this process, by (intra-op threads, signature): a kernel's scratch can be per thread.
+_MEASURED: dict[tuple[int, OpSignature], int] = {}
 _warned_busy = False
 
 
@@ -352,10 +353,11 @@ class WorkspaceTable:
 
     @staticmethod
     def _measured(signatures: list[OpSignature]) -> dict[OpSignature, int]:
-        missing = [s for s in signatures if s not in _MEASURED]
+        threads = torch.get_num_threads()  # the probe thread runs with the process's setting too
+        missing = [s for s in signatures if (threads, s) not in _MEASURED]
         if missing:
-            _MEASURED.update(measure_workspaces(missing))
-        return {s: _MEASURED[s] for s in signatures}
+            _MEASURED.update({(threads, s): n for s, n in measure_workspaces(missing).items()})
+        return {s: _MEASURED[threads, s] for s in signatures}
 
 
 def layout_optimized(gm: fx.GraphModule) -> bool:
