@@ -173,3 +173,16 @@ def test_fits_answers_at_once_below_the_floor() -> None:
     assert decisions == tuple(RECOMPUTE if c.can_recompute else SAVE for c in problem.candidates)
     assert not solve_fast(problem, floor - 1).feasible  # the full solver agrees, with its lowest peak
     assert solve_fast(problem, floor - 1).peak_bytes >= floor
+
+
+@pytest.mark.parametrize("seed", [21, 3, 7])
+def test_a_budget_at_the_lowest_peak_reported_is_met(seed: int) -> None:
+    """The lowest plan is what a budget below every plan finds, and any budget at or above its peak is met: the
+    heuristics' path depends on the budget, and from just above that peak seed 21 ended 2.4 MB over it."""
+    problem = random_problem(seed, steps=150, candidates=30, transient_fraction=0.5)
+    lowest = solve_fast(problem, 1)
+    assert not lowest.feasible
+    assert solve_fast(problem, 0).decisions == lowest.decisions  # every budget below the floor: one answer
+    for budget in (lowest.peak_bytes, lowest.peak_bytes + 4096):
+        solution = solve_fast(problem, budget)
+        assert solution.feasible and solution.peak_bytes <= budget, (budget, solution.peak_bytes)
