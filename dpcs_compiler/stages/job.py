@@ -285,9 +285,9 @@ class GraphJob:
         held = describe_budget(budget)
         if self.provisional:
             message = (
-                f"no dpcs plan for {self.record.graph} fits {held}: after {self.record.replans} re-plans the lowest "
-                f"plan, compiled, peaks at {format_bytes(memory.peak_bytes)} ({memory.peak_bytes} B; {source} "
-                f"holds {over or 'nothing'} beyond the plan model)"
+                f"{held} cannot be met for {self.record.graph}: the smallest peak dpcs can reach is "
+                f"{format_bytes(memory.peak_bytes)} ({memory.peak_bytes} B), its lowest plan compiled after "
+                f"{self.record.replans} re-plans ({source} holds {over or 'nothing'} beyond the plan model)"
             )
         else:
             message = (
