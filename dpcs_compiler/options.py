@@ -196,7 +196,7 @@ class DpcsOptions:
         "auto" (default) sinks with compiler="eager", whose graphs run in that order; under Inductor, whose
         fusion and reordering start from the order given (measured both lower and higher there), only a plan
         over its budget whose sunk order simulates lower, and only where Inductor schedules it lower (both
-        orders scheduled, `stages/compile_parts.PartCompiler.lowest_scheduled_order`).
+        orders scheduled, `stages/compile_parts.PartCompiler.lowest_scheduled_backward`).
     calibrate: with a memory_budget, time the graph's own ops once (its joint graph run op by op on made-up
         inputs of its shapes) and plan with the roofline fitted to them: compute and memory scales and the
         per-op cost (`stages/calibrate.py`); False: the hardware profile's roofline.

@@ -18,9 +18,13 @@ class CompileRecord:
     forward_nodes: int = 0
     backward_nodes: int = 0
     backward_order: str = "autograd"  # the backward's node order compiled: autograd's, or a sunk one (`backward_order`)
-    # Under Inductor, the lowest plan: each order's scheduled backward peak above its start ({"autograd": B,
-    # "sunk": B}), the lower compiled (`PartCompiler.lowest_scheduled_order`); None: not scheduled twice.
+    # Under Inductor, the lowest plan: each candidate's scheduled backward peak above its start ({"autograd": B,
+    # "sunk": B, "autograd, producers apart": B, ...}), the lowest compiled (`PartCompiler.lowest_scheduled_backward`);
+    # None: not scheduled as candidates.
     backward_order_scheduled: dict[str, int | None] | None = None
+    # The producer/consumer fusions of the backward compiled: Inductor's, or "producers apart" (the fusion
+    # guard's rule, when Inductor's schedule of it is lower: `PartCompiler.lowest_scheduled_backward`).
+    backward_fusion: str = "inductor"
     saved_values: int = 0
     saved_bytes: int = 0
     resident_bytes: int = 0

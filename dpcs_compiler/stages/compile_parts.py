@@ -44,18 +44,18 @@ class _Scheduled(Exception):
 
 
 @contextlib.contextmanager
-def lowering_as_planned(torchs: bool) -> Iterator[Any]:
+def lowering_as_planned(torchs: bool, producers_apart: bool = False) -> Iterator[Any]:
     """Inductor's settings for lowering a partitioned graph; yields the fusion guard (None for torch's plan).
 
     Inductor's buffer pool keeps a dead buffer allocated until a later one of the same size takes it over,
     which can hold memory across the peak the plan was made for (measured: +8% on a 2-layer GPT with two
     recomputed MLP inputs), so it is off for dpcs's plans; in-place reuse of dying inputs stays on, and on
     CUDA the caching allocator reuses freed memory anyway. Fusions that would raise the planned peak are
-    refused (`planned_fusion_choices`). Torch's own partition (kept: it fits) is lowered as plain Inductor
-    lowers it.
+    refused (`planned_fusion_choices`; `producers_apart`: its producer/consumer rule too). Torch's own
+    partition (kept: it fits) is lowered as plain Inductor lowers it.
     """
     with torch._inductor.config.patch(allow_buffer_reuse=torchs and torch._inductor.config.allow_buffer_reuse), \
-            (contextlib.nullcontext(None) if torchs else planned_fusion_choices()) as guard:
+            (contextlib.nullcontext(None) if torchs else planned_fusion_choices(producers_apart)) as guard:
         yield guard
 
 
@@ -113,19 +113,20 @@ class PartCompiler:
         gm = self.prepare(kind, gm)
         if self.job.options.memory_budget is None or kind == "inference":
             return compile_fx_inner(gm, example_inputs, *args, **kwargs)
-        if kind == "backward" and self.job.order_by_schedule:
+        if kind == "backward" and self.job.schedule_backward:
             with self.job.ctx.instrumented("backward", "order_by_schedule"):
                 try:
-                    gm = self.lowest_scheduled_order(gm, example_inputs, *args, **kwargs)
-                except Exception as error:  # an optional lowering: the plan compiles in autograd's order
+                    gm = self.lowest_scheduled_backward(gm, example_inputs, *args, **kwargs)
+                except Exception as error:  # optional lowerings: the plan compiles as it is
                     if self.job.options.strict:
                         raise
                     warnings.warn(
-                        f"dpcs could not schedule the sunk order of {self.job.record.graph}'s backward "
+                        f"dpcs could not schedule the candidate backwards of {self.job.record.graph} "
                         f"({type(error).__name__}: {error}); compiling autograd's order",
                         stacklevel=2,
                     )
-        with lowering_as_planned(self.job.plan.torch_plan) as guard, contextlib.ExitStack() as stack:
+        producers_apart = kind == "backward" and self.job.producers_apart
+        with lowering_as_planned(self.job.plan.torch_plan, producers_apart) as guard, contextlib.ExitStack() as stack:
             probe = None
             if kind in self.job.graph_inputs and probe_available():
                 resident, present = self.job.graph_inputs[kind]
@@ -158,34 +159,49 @@ class PartCompiler:
             self.job.hold_to_budget(dict(self.job.partition_excess), "its partitioned graphs")
         return compiled
 
-    def lowest_scheduled_order(self, gm: fx.GraphModule, example_inputs: Sequence[Any], *args: Any, **kwargs: Any
-                               ) -> fx.GraphModule:
-        """The backward in autograd's order or its sunk order (`passes.rewrite.backward_order`), whichever
-        Inductor schedules to the lower peak. Under Inductor the order given steers its fusion and reordering,
-        so the FX simulation cannot tell (measured both ways); each order is scheduled (lowered and fused, no
-        code generated) and the lower kept. Only for plans over their budget, where a lower peak is what is
-        missing: it costs two more lowerings of the backward."""
+    def lowest_scheduled_backward(self, gm: fx.GraphModule, example_inputs: Sequence[Any], *args: Any,
+                                  **kwargs: Any) -> fx.GraphModule:
+        """The backward as Inductor schedules it to the lowest peak, of: autograd's order or its sunk order
+        (`passes.rewrite.backward_order`, when it simulates lower: `GraphJob.order_by_schedule`), each lowered
+        with Inductor's producer/consumer fusions or with the fusion guard keeping producers apart from later
+        consumers (`planned_fusion_choices`). Under Inductor the order given steers its fusion and reordering,
+        and a fusion moves kernels, so the FX simulation cannot tell (measured both ways: the guard's rule
+        lowers the bench Llama's lowest plan by 1 MB and raises Hugging Face GPT-2's by 5 MB). Each candidate
+        is scheduled (lowered and fused, no code generated) and the lowest kept, ties going to autograd's order
+        and Inductor's fusions. Only for plans over their budget, where a lower peak is what is missing: it
+        costs two to four more lowerings of the backward. Sets `GraphJob.producers_apart` for the compile."""
         job = self.job
         resident, present = job.graph_inputs["backward"]
-        sunk = copy_graph_module(gm)
-        if not apply_order(sunk.graph, sunk_order(sunk.graph, resident)):
-            return gm
-        sunk.recompile()
-        peaks = {}
-        for name, graph in (("autograd", gm), ("sunk", sunk)):
-            peaks[name] = self.scheduled_increase(graph, example_inputs, resident, present, *args, **kwargs)
-        log.info("%s: backward scheduled to %s B above its start in autograd's order, %s B sunk", job.record.graph,
-                 peaks["autograd"], peaks["sunk"])
+        orders = {"autograd": gm}
+        if job.order_by_schedule:
+            sunk = copy_graph_module(gm)
+            if apply_order(sunk.graph, sunk_order(sunk.graph, resident)):
+                sunk.recompile()
+                orders["sunk"] = sunk
+        peaks: dict[str, int | None] = {}
+        for name, graph in orders.items():
+            peaks[name], refused = self.scheduled_increase(graph, example_inputs, resident, present, *args,
+                                                           producers_apart=True, **kwargs)
+            if refused:  # else the rule changed nothing: Inductor's own fusions schedule the same
+                peaks[f"{name}, producers apart"] = peaks[name]
+                peaks[name], _ = self.scheduled_increase(graph, example_inputs, resident, present, *args, **kwargs)
+        log.info("%s: backward scheduled above its start: %s", job.record.graph, peaks)
         job.record.backward_order_scheduled = dict(peaks)
-        if None in peaks.values() or peaks["sunk"] >= peaks["autograd"]:
+        if None in peaks.values():  # a schedule not read: the plan compiles as it is
             return gm
-        job.record.backward_order = "sunk"
-        return sunk
+        best = min(peaks, key=lambda k: (peaks[k], k.split(",")[0] != "autograd", "producers apart" in k))
+        name = best.split(",")[0]
+        job.record.backward_order = name
+        job.producers_apart = "producers apart" in best
+        job.record.backward_fusion = "producers apart" if job.producers_apart else "inductor"
+        return orders[name]
 
     def scheduled_increase(self, gm: fx.GraphModule, example_inputs: Sequence[Any], resident: frozenset[str],
-                           present: frozenset[str], *args: Any, **kwargs: Any) -> int | None:
+                           present: frozenset[str], *args: Any, producers_apart: bool = False, **kwargs: Any
+                           ) -> tuple[int | None, int]:
         """Inductor's scheduled peak of `gm` above its start, as the compile would schedule it, read after
-        fusion and before any code is generated (the compile stops there); None if it cannot be read."""
+        fusion and before any code is generated (the compile stops there); None if it cannot be read. With
+        the producer/consumer fusions the guard refused (`producers_apart`)."""
         from torch._inductor.compile_fx import compile_fx_inner
         from torch._inductor.exc import InductorError
 
@@ -193,18 +209,18 @@ class PartCompiler:
             raise _Scheduled(peak)
 
         trial = copy_graph_module(gm)
-        with lowering_as_planned(torchs=False), probe_scheduled_peak(
+        with lowering_as_planned(torchs=False, producers_apart=producers_apart) as guard, probe_scheduled_peak(
             resident=resident, present=present, check=stop, workspace=self.job.kernel_workspace
         ):
             try:
                 compile_fx_inner(trial, example_inputs, *args, **kwargs)
             except InductorError as error:
                 if isinstance(error.inner_exception, _Scheduled):
-                    return error.inner_exception.peak.increase_bytes
+                    return error.inner_exception.peak.increase_bytes, guard.refused_vertical
                 raise
             except _Scheduled as scheduled:
-                return scheduled.peak.increase_bytes
-        return None  # compiled without a reading (no kernels)
+                return scheduled.peak.increase_bytes, guard.refused_vertical
+        return None, guard.refused_vertical  # compiled without a reading (no kernels)
 
     def check_schedule(self, kind: str, scheduled: ScheduledPeak) -> None:
         """Hold Inductor's schedule of a planned graph to the budget (`GraphJob.hold_to_budget`).

@@ -121,11 +121,15 @@ class GraphJob:
     measured_excess: dict[str, int] = dataclasses.field(default_factory=dict)
     carried_excess: int = 0  # what the compiled forward leaves alive beyond the partitioned one
     partition_excess: dict[str, int] = dataclasses.field(default_factory=dict)
-    # Inductor's schedule of both orders picks the planned backward's (`PartCompiler.lowest_scheduled_order`),
+    # Inductor's schedule of both orders picks the planned backward's (`PartCompiler.lowest_scheduled_backward`),
     # as each partition decides (`JointPartitioner`): option backward_order "auto", a plan of dpcs's own that
     # offloads nothing and is over its budget (the lowest plan dpcs can reach, compiled with
     # on_infeasible="best"), whose sunk order simulates a lower peak, and a readable schedule.
     order_by_schedule: bool = False
+    # A plan over its budget under Inductor: its backward compiles as Inductor schedules it lowest, of the
+    # candidate orders and fusion rules (`PartCompiler.lowest_scheduled_backward`); the fusion rule chosen.
+    schedule_backward: bool = False
+    producers_apart: bool = False
     replanning: bool = False
     provisional: bool = False  # a re-plan the solver found over, compiled to be read (`hold_to_budget`)
     graph_fingerprint: str = ""  # the Dynamo graph's identity across ranks (`rank_agreement`)

@@ -89,7 +89,7 @@ class JointPartitioner(CustomPartitionerFn):
                             release_after={v.name: v.release_after for v in offloaded},
                         )
         with ctx.instrumented("step", "analyses"):
-            job.order_by_schedule = False
+            job.order_by_schedule = job.schedule_backward = job.producers_apart = False
             if kept is not None:
                 step, timeline, live = kept.analyses
             else:
@@ -100,13 +100,15 @@ class JointPartitioner(CustomPartitionerFn):
                     if job.options.sinks_backward:
                         (step, timeline, live), _ = self.lowest_backward_order(forward, backward, num_fwd_outputs,
                                                                                (step, timeline, live))
-                    elif (job.options.backward_order == "auto" and job.plan.feasible is False
-                          and job.options.compiler == "inductor" and probe_available()):
-                        # Under Inductor, over the budget: Inductor's schedule of both orders decides, if the
-                        # sunk one simulates lower (`PartCompiler.lowest_scheduled_order`).
-                        _, job.order_by_schedule = self.lowest_backward_order(
-                            forward, backward, num_fwd_outputs, (step, timeline, live), keep=False
-                        )
+                    elif job.plan.feasible is False and job.options.compiler == "inductor" and probe_available():
+                        # Under Inductor, over the budget: Inductor's schedule of the candidates decides: both
+                        # fusion rules, and both orders if the sunk one simulates lower
+                        # (`PartCompiler.lowest_scheduled_backward`).
+                        job.schedule_backward = True
+                        if job.options.backward_order == "auto":
+                            _, job.order_by_schedule = self.lowest_backward_order(
+                                forward, backward, num_fwd_outputs, (step, timeline, live), keep=False
+                            )
             # Bytes a saved value keeps alive: the buffers it points into, less those of resident inputs
             # (a saved transpose of a weight costs nothing extra).
             kept = {n: [b for b in live.references.get(n, ()) if b.producer not in step.resident] for n in step.saved}

@@ -1,4 +1,5 @@
-"""PlannedFusionChoices: no horizontal fusion across allocations, checked on generated code and measured peak."""
+"""PlannedFusionChoices: no fusion across allocations that makes outputs early, checked on generated code and measured
+peak."""
 
 from __future__ import annotations
 
@@ -71,3 +72,38 @@ def test_neighbouring_siblings_still_fuse():
     torch.testing.assert_close(outputs, neighbours(*inputs), **TOLERANCE)
     assert guard.refused == 0
     assert code.count("cpp_fused") - code.count("def cpp_fused") >= 1
+
+
+def producer_read_early(a, b, w, v):
+    # The shape of a Llama SwiGLU backward at its lowest plan: e (a recomputed product) is read by a matmul
+    # (a weight gradient) and by a later pointwise kernel that also reads another matmul's output. Fused
+    # with that consumer, e is made after the second matmul, and the first runs after both, with the
+    # consumer's output and the second matmul's alive: 1 MB over the plan on the bench Llama.
+    e = torch.relu(a * b)
+    weight_grad = (e.t() @ w).sum(dim=0)
+    d = b @ v
+    consumer = d * e + 1
+    return weight_grad, (consumer @ w).sum(dim=0)
+
+
+@pytest.mark.inductor
+def test_guard_keeps_a_producer_read_early_apart_from_its_later_consumer():
+    inputs = [torch.randn(N, N) for _ in range(4)]
+    peaks, refused = {}, {}
+    for guarded in (False, True):
+        torch._dynamo.reset()
+        compiled = torch.compile(producer_read_early, backend="inductor", dynamic=False)
+        with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True):
+            # Off (the default), the rule leaves producer/consumer fusions to Inductor.
+            with planned_fusion_choices(keep_producers_apart=guarded) as guard:
+                outputs, (code,) = run_and_get_code(compiled, *inputs)
+            _, peak = measure_peak_memory(compiled, *inputs)
+        torch.testing.assert_close(outputs, producer_read_early(*inputs), **TOLERANCE)
+        peaks[guarded], refused[guarded] = peak.peak_increase_bytes, guard.refused_vertical
+        if guarded:  # e's kernel, the weight gradient's matmul, the second matmul, then the consumer's kernel
+            FileCheck().check("cpp_fused_mul_relu").check("extern_kernels.mm").check("extern_kernels.mm").check(
+                "cpp_fused").check("extern_kernels.mm").run(code)
+        else:  # one kernel for e and the consumer, after the second matmul
+            FileCheck().check("extern_kernels.mm").check("cpp_fused_add_mul_relu").check("extern_kernels.mm").run(code)
+    assert refused[False] == 0 and refused[True] >= 1, refused
+    assert peaks[False] - peaks[True] >= BUFFER - 4096, peaks
