@@ -89,7 +89,7 @@ DEDUPE_RELATIVE = 0.005  # upstream peaks within 0.5% of each other give one dpc
 # CompileRecord fields kept per dpcs graph (read with getattr: the planner's fields may be absent)
 RECORD_FIELDS = ("graph", "variant_of", "mode", "compiler", "predicted_peak_bytes", "budget_bytes", "plan_feasible", "solver",
                  "recomputed_values", "offloaded_values", "plan_added_seconds", "partition_peak_bytes", "fallback",
-                 "forward_schedule_excess_bytes", "backward_schedule_excess_bytes", "replans", "fusions_refused",
+                 "forward_schedule_excess_bytes", "backward_schedule_excess_bytes", "replans", "fusions_refused", "backward_fusion",
                  "hardware_profile", "planned_for", "plan_hash", "pass_seconds", "calibration", "recompute_terms")
 
 
