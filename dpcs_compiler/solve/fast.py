@@ -721,8 +721,8 @@ def _lowest_of_all(problem: MemoryProblem, tl: Timeline, lowest: tuple[int, list
                    ) -> tuple[int, list[int]]:
     """The lower of `lowest`, found from a budget nothing met, and the lowest plan as a budget below every plan
     finds it. The heuristics' path depends on the budget, so from a budget just above the lowest peak reported
-    they can end a little higher (2.3 KB over on a conv net's 10.1 MB): a budget at or above that peak must
-    be met, as the error naming it promises."""
+    they can end higher (2.4 MB over on a synthetic problem, `tests/solve/test_fast.py`): a budget at or above
+    that peak must be met, as the error naming it promises."""
     decisions = solve_fast(problem, 0, local_search=local_search).decisions
     plan = [DECISIONS.index(d) for d in decisions]
     tl.reset(plan)

@@ -125,7 +125,7 @@ class PartCompiler:
                         f"({type(error).__name__}: {error}); compiling autograd's order",
                         stacklevel=2,
                     )
-        producers_apart = kind == "backward" and self.job.producers_apart
+        producers_apart = kind == "backward" and self.job.record.backward_fusion == "producers apart"
         with lowering_as_planned(self.job.plan.torch_plan, producers_apart) as guard, contextlib.ExitStack() as stack:
             probe = None
             if kind in self.job.graph_inputs and probe_available():
@@ -169,7 +169,8 @@ class PartCompiler:
         lowers the bench Llama's lowest plan by 1 MB and raises Hugging Face GPT-2's by 5 MB). Each candidate
         is scheduled (lowered and fused, no code generated) and the lowest kept, ties going to autograd's order
         and Inductor's fusions. Only for plans over their budget, where a lower peak is what is missing: it
-        costs two to four more lowerings of the backward. Sets `GraphJob.producers_apart` for the compile."""
+        costs one to four more lowerings of the backward. The choice is the record's `backward_order` and
+        `backward_fusion`, which the compile reads."""
         job = self.job
         resident, present = job.graph_inputs["backward"]
         orders = {"autograd": gm}
@@ -178,22 +179,27 @@ class PartCompiler:
             if apply_order(sunk.graph, sunk_order(sunk.graph, resident)):
                 sunk.recompile()
                 orders["sunk"] = sunk
-        peaks: dict[str, int | None] = {}
+        # (order, producers apart) -> scheduled increase; listed so that ties go to autograd's order and
+        # Inductor's own fusions.
+        peaks: dict[tuple[str, bool], int | None] = {}
         for name, graph in orders.items():
-            peaks[name], refused = self.scheduled_increase(graph, example_inputs, resident, present, *args,
-                                                           producers_apart=True, **kwargs)
+            apart, refused = self.scheduled_increase(graph, example_inputs, resident, present, *args,
+                                                     producers_apart=True, **kwargs)
             if refused:  # else the rule changed nothing: Inductor's own fusions schedule the same
-                peaks[f"{name}, producers apart"] = peaks[name]
-                peaks[name], _ = self.scheduled_increase(graph, example_inputs, resident, present, *args, **kwargs)
-        log.info("%s: backward scheduled above its start: %s", job.record.graph, peaks)
-        job.record.backward_order_scheduled = dict(peaks)
+                peaks[(name, False)], _ = self.scheduled_increase(graph, example_inputs, resident, present, *args,
+                                                                  **kwargs)
+                peaks[(name, True)] = apart
+            else:
+                peaks[(name, False)] = apart
+        job.record.backward_order_scheduled = {
+            name + (", producers apart" if apart else ""): peak for (name, apart), peak in peaks.items()
+        }
+        log.info("%s: backward scheduled above its start: %s", job.record.graph, job.record.backward_order_scheduled)
         if None in peaks.values():  # a schedule not read: the plan compiles as it is
             return gm
-        best = min(peaks, key=lambda k: (peaks[k], k.split(",")[0] != "autograd", "producers apart" in k))
-        name = best.split(",")[0]
+        name, apart = min(peaks, key=peaks.__getitem__)  # the first of the lowest
         job.record.backward_order = name
-        job.producers_apart = "producers apart" in best
-        job.record.backward_fusion = "producers apart" if job.producers_apart else "inductor"
+        job.record.backward_fusion = "producers apart" if apart else "inductor"
         return orders[name]
 
     def scheduled_increase(self, gm: fx.GraphModule, example_inputs: Sequence[Any], resident: frozenset[str],

@@ -127,9 +127,8 @@ class GraphJob:
     # on_infeasible="best"), whose sunk order simulates a lower peak, and a readable schedule.
     order_by_schedule: bool = False
     # A plan over its budget under Inductor: its backward compiles as Inductor schedules it lowest, of the
-    # candidate orders and fusion rules (`PartCompiler.lowest_scheduled_backward`); the fusion rule chosen.
+    # candidate orders and fusion rules (`PartCompiler.lowest_scheduled_backward`).
     schedule_backward: bool = False
-    producers_apart: bool = False
     replanning: bool = False
     provisional: bool = False  # a re-plan the solver found over, compiled to be read (`hold_to_budget`)
     graph_fingerprint: str = ""  # the Dynamo graph's identity across ranks (`rank_agreement`)

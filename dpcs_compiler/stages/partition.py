@@ -89,7 +89,8 @@ class JointPartitioner(CustomPartitionerFn):
                             release_after={v.name: v.release_after for v in offloaded},
                         )
         with ctx.instrumented("step", "analyses"):
-            job.order_by_schedule = job.schedule_backward = job.producers_apart = False
+            job.order_by_schedule = job.schedule_backward = False
+            job.record.backward_fusion = "inductor"
             if kept is not None:
                 step, timeline, live = kept.analyses
             else:

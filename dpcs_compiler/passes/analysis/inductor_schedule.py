@@ -96,16 +96,6 @@ def scheduled_peak(
     else:
         order = nodes
         memory.prepare_planning_info(order, scheduler.name_to_buf, scheduler.name_to_fused_node, graph_inputs, graph_outputs)
-    return order_peak(order, graph_inputs, graph_outputs, resident=resident, present=present, workspace=workspace)
-
-
-def order_peak(
-    order: Sequence, graph_inputs, graph_outputs, *, resident: frozenset[str] | None, present: frozenset[str] | None,
-    workspace: Callable[[Sequence[torch.fx.Node]], int] | None = None,
-) -> ScheduledPeak:
-    """`scheduled_peak` of fused scheduler nodes run in `order` (their planning info already prepared)."""
-    from torch._inductor import memory
-
     freeable = _input_buffers(order, graph_inputs, resident)
     infos, step_of, _ = memory.compute_memory_timeline(order, freeable, graph_outputs)
     first, last = kernel_groups(order)
