@@ -208,6 +208,9 @@ class DpcsOptions:
         (`cost.step_model.StepContext`), from the step planner (`runtime/step.py`).
     size_hints: set by dpcs, not by users: for a graph with dynamic shapes, the sizes its plan is made for
         (pairs of shape symbol and size; empty: the traced sizes), one size bucket of `runtime/variants.py`.
+    stands_in_for: set by dpcs, not by users: the compiler this graph is planned for while it runs with
+        `compiler` for now (a first plan that holds least runs uncompiled until its step is planned,
+        `runtime/variants.py`); the step planner plans it as that compiler will run it (`GraphJob.step_view`).
     option_sources: set by dpcs: where each option that was given came from ("code", "DPCS_OPTIONS (...)",
         or an environment variable), as (name, source) pairs; options left out are the defaults.
     """
@@ -230,6 +233,7 @@ class DpcsOptions:
     calibration: Calibration | None = None
     step_context: StepContext | None = None
     size_hints: tuple[tuple[str, int], ...] = ()
+    stands_in_for: str | None = None
     option_sources: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
@@ -271,6 +275,11 @@ class DpcsOptions:
                 "name and size > 0 (set by dpcs for dynamic shapes)"
             )
         object.__setattr__(self, "size_hints", tuple(sorted((str(n), int(v)) for n, v in hints)))
+        if self.stands_in_for is not None and (self.stands_in_for not in COMPILERS or self.stands_in_for == self.compiler):
+            raise ValueError(
+                f"dpcs option 'stands_in_for'={self.stands_in_for!r} is not valid; valid choices: None, or a compiler "
+                f"other than compiler={self.compiler!r} ({', '.join(map(repr, COMPILERS))}; set by dpcs)"
+            )
         if self.precision not in PRECISIONS:
             raise ValueError(
                 f"dpcs option 'precision'={self.precision!r} is not valid; valid choices: {', '.join(map(repr, PRECISIONS))}"
@@ -386,7 +395,7 @@ class DpcsOptions:
         relevant = {
             k: v for k, v in self.to_json().items() if k not in ("dump_dir", "strict", "hardware_profile", "rank_agreement", "budget_scope", "option_sources")
         }
-        for internal in ("step_context", "size_hints"):  # set by dpcs; left out unset, so older hashes stay
+        for internal in ("step_context", "size_hints", "stands_in_for"):  # set by dpcs; left out unset, so older hashes stay
             if not relevant[internal]:
                 del relevant[internal]
         if relevant["keep_torch_plan"]:  # the defaults, left out so older hashes stay

@@ -58,6 +58,17 @@ def test_fingerprint_ignores_dump_dir_but_not_compiler(tmp_path):
     assert base.fingerprint() != DpcsOptions(compiler="inductor").fingerprint()
 
 
+def test_a_stand_in_names_another_compiler_and_compiles_apart():
+    """`stands_in_for` (set by dpcs): the compiler a graph running with `compiler` for now is planned for."""
+    stand_in = DpcsOptions(compiler="eager", stands_in_for="inductor")
+    assert stand_in.stands_in_for == "inductor"
+    assert stand_in.fingerprint() != DpcsOptions(compiler="eager").fingerprint()
+    for bad in ("eager", "tvm"):
+        with pytest.raises(ValueError, match=rf"'stands_in_for'='{bad}' is not valid; valid choices: None, or a compiler "
+                                             r"other than compiler='eager' \('inductor', 'eager'; set by dpcs\)"):
+            DpcsOptions(compiler="eager", stands_in_for=bad)
+
+
 @pytest.mark.parametrize(
     "value, parsed",
     [

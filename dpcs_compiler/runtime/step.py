@@ -313,7 +313,7 @@ class StepRecorder:
         inputs: dict[int, int] = {}
         held: dict[int, int] = {}
         job = dispatcher.current_job()
-        sharing = job.sharing if job is not None else None
+        sharing = job.step_sharing if job is not None else None
         outside, bucket_views = _ddp_buckets()
         fsdp = _fsdp_parameters()
         own_gradients = gathered = 0
@@ -1257,7 +1257,7 @@ def _least_freed(a: StepShape, b: StepShape) -> dict[str, tuple]:
 def _node_name(dispatcher: GraphDispatcher, step: int) -> str | None:
     """The schedule node at `step` of the dispatcher's current plan (the plan's own problem, no boundary step)."""
     job = dispatcher.current_job()
-    names = job.schedule_node_names if job is not None else ()
+    names = job.step_node_names if job is not None else ()
     return names[step] if 0 <= step < len(names) else None
 
 

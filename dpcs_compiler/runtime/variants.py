@@ -464,7 +464,7 @@ class GraphDispatcher:
                 # step planner plans the step (at the next step's first call). It runs the same partitioned
                 # graphs uncompiled (compiler="eager", its memory planned for that), so Inductor compiles this
                 # graph once, for the plan that stays, instead of twice (issue 18: compile time).
-                options = dataclasses.replace(options, compiler="eager")
+                options = dataclasses.replace(options, compiler="eager", stands_in_for="inductor")
         key = options.fingerprint()
         if key in self.variants:
             self.current_key = key

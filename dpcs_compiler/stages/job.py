@@ -20,7 +20,7 @@ from dpcs_compiler import rank_agreement
 from dpcs_compiler.cost.budget import WORKSPACE_FRACTION, planning_target, torch_plan_limit
 from dpcs_compiler.debug.progress import PassProgress
 from dpcs_compiler.cost.hardware import ResolvedProfile
-from dpcs_compiler.cost.memory_model import MemoryProblem, plan_memory
+from dpcs_compiler.cost.memory_model import SAVE, MemoryProblem, plan_memory
 from dpcs_compiler.cost.profiles import resolve_profile
 from dpcs_compiler.cost.step_model import GraphStep, in_step
 from dpcs_compiler.debug.render import format_bytes
@@ -97,6 +97,24 @@ class PhaseLevels:
         return self.after_forward - self.resident
 
 
+@dataclasses.dataclass(frozen=True)
+class StepView:
+    """A stand-in graph (`DpcsOptions.stands_in_for`) as the compiler it stands in for will run it: its memory
+    problem, what its step's other graphs see of it, and its schedule's node names. The step planner plans
+    the step with these, not with the stand-in's own (an eager stand-in of an Inductor graph held twice the
+    bytes Inductor's fusions hold in the HF GPT-2 loss graph, and the step plan made room for them)."""
+
+    problem: MemoryProblem
+    sharing: Any  # `passes.analysis.planning.StepSharing`
+    node_names: tuple[str, ...]
+
+    def decisions(self, problem: MemoryProblem, decisions: Sequence[str]) -> tuple[str, ...]:
+        """`decisions` of `problem`'s candidates as this view's, by value name (a value this view has that
+        `problem` has not, such as one the stand-in's compiler fuses away, is saved)."""
+        by_name = {c.name: d for c, d in zip(problem.candidates, decisions)}
+        return tuple(by_name.get(c.name, SAVE) for c in self.problem.candidates)
+
+
 # Profiles rank 0 resolved for every rank, by (profile option, device, world): resolved once per process.
 _RANK_ZERO_PROFILES: dict[tuple[str, str, tuple[int, int] | None], ResolvedProfile] = {}
 
@@ -138,6 +156,10 @@ class GraphJob:
     schedule_node_names: tuple[str, ...] = ()  # the planning schedule's nodes (a problem step's name)
     held_excess: dict[str, int] | None = None  # the excess the plan was last held to the budget with
     workspace: WorkspaceTable | None = None  # kernels' own workspace under a budget (`with_workspace`)
+    # A stand-in (`DpcsOptions.stands_in_for`): the graph as the compiler it stands in for will run it, which
+    # the step planner plans with (`step_graph`); None otherwise.
+    step_view: StepView | None = None
+    step_view_workspace: WorkspaceTable | None = None
     torch_plan_refused: bool = False  # torch's partition was compiled and its schedule went over: dpcs plans
 
     @classmethod
@@ -218,18 +240,25 @@ class GraphJob:
             )
         return self.with_workspace(schedule)
 
-    def with_workspace(self, schedule: Schedule) -> Schedule:
+    def with_workspace(self, schedule: Schedule, compiler: str | None = None) -> Schedule:
         """Under a memory budget, `schedule` with the workspace its kernels allocate inside themselves, measured
-        as the final compiler will run them (`passes.analysis.op_workspace`); the first schedule (the joint
-        graph's) decides whether Inductor gives the convolutions channels-last tensors."""
+        as the final compiler (or `compiler`: the one a stand-in plans for, `DpcsOptions.stands_in_for`) will
+        run them (`passes.analysis.op_workspace`); the first schedule (the joint graph's) decides whether
+        Inductor gives the convolutions channels-last tensors."""
         if self.options.memory_budget is None:
             return schedule
-        if self.workspace is None:
-            inductor = self.options.compiler == "inductor"
-            self.workspace = WorkspaceTable(inductor=inductor, channels_last=inductor and layout_optimized(schedule.graphs[0]))
+        compiler = compiler or self.options.compiler
+        table = self.workspace if compiler == self.options.compiler else self.step_view_workspace
+        if table is None:
+            inductor = compiler == "inductor"
+            table = WorkspaceTable(inductor=inductor, channels_last=inductor and layout_optimized(schedule.graphs[0]))
             if self.record.mode == "training" and rank_agreement.world() is not None and self.options.rank_agreement:
-                self.workspace.agree_on(schedule.nodes)  # the joint graph's: every rank compiles it
-        return schedule.with_workspace(self.workspace.bytes_of(schedule.nodes))
+                table.agree_on(schedule.nodes)  # the joint graph's: every rank compiles it
+            if compiler == self.options.compiler:
+                self.workspace = table
+            else:
+                self.step_view_workspace = table
+        return schedule.with_workspace(table.bytes_of(schedule.nodes))
 
     def kernel_workspace(self, origins: Sequence[fx.Node]) -> int:
         """The workspace of one kernel Inductor schedules, from the FX nodes it comes from (0 without a budget)."""
@@ -334,6 +363,16 @@ class GraphJob:
             return torch_plan_limit(self.budget_bytes if self.budget_bytes is not None else self.plan.budget_bytes or 0)
         return self.target
 
+    @property
+    def step_sharing(self) -> Any | None:
+        """What the step's other graphs see of this one, as the step planner plans it (`step_view`)."""
+        return self.step_view.sharing if self.step_view is not None else self.sharing
+
+    @property
+    def step_node_names(self) -> tuple[str, ...]:
+        """The node names of the schedule whose steps the step planner's problem counts (`step_view`)."""
+        return self.step_view.node_names if self.step_view is not None else self.schedule_node_names
+
     def step_graph(self, *, held_excess: bool = True) -> tuple[GraphStep, tuple[str, ...]] | None:
         """This training graph as the step planner sees it, with its plan's decisions; None without a plan.
         `held_excess`: with what its compiled graphs held beyond the model (False: what the planner assumed
@@ -341,18 +380,23 @@ class GraphJob:
         mislead the step planner)."""
         if self.problem is None or self.sharing is None or self.budget_bytes is None or self.record.mode != "training":
             return None
-        excess = (self.held_excess if held_excess else None) or self.schedule_excess
-        problem = self.problem.with_schedule_excess(max(0, excess["forward"]), max(0, excess["backward"]))
+        problem, sharing, decisions = self.problem, self.sharing, self.plan.decisions
+        if self.step_view is not None:  # a stand-in: what its compiled graphs hold is not what will run
+            view = self.step_view
+            problem, sharing, decisions = view.problem, view.sharing, view.decisions(problem, decisions)
+        else:
+            excess = (self.held_excess if held_excess else None) or self.schedule_excess
+            problem = problem.with_schedule_excess(max(0, excess["forward"]), max(0, excess["backward"]))
         graph = GraphStep(
             name=self.record.graph,
             problem=problem,
             target=planning_target(self.budget_bytes),  # the budget's (a step plan's target is its own)
-            parameter_bytes=self.sharing.parameter_bytes,
-            shared_bytes=self.sharing.shared_bytes,
-            gradient_bytes=self.sharing.gradient_bytes,
-            gradient_steps=self.sharing.gradient_steps,
+            parameter_bytes=sharing.parameter_bytes,
+            shared_bytes=sharing.shared_bytes,
+            gradient_bytes=sharing.gradient_bytes,
+            gradient_steps=sharing.gradient_steps,
         )
-        return graph, self.plan.decisions
+        return graph, decisions
 
     def finish(self) -> None:
         """Write the plan and the summary (again after each stage, so a lazy backward updates them), and

@@ -28,6 +28,7 @@ from dpcs_compiler.passes.analysis.planning import (
     planning_schedule,
     step_sharing,
 )
+from dpcs_compiler.passes.infra import copy_graph_module
 from dpcs_compiler.plan import ValueDecision
 from dpcs_compiler.solve import fits, solve_or_measure
 from dpcs_compiler.solve.solution import Solution, measured_solution
@@ -35,6 +36,7 @@ from dpcs_compiler.stages.calibrate import graph_calibration
 from dpcs_compiler.stages.job import (
     BudgetInfeasibleError,
     GraphJob,
+    StepView,
     describe_budget,
     graph_device,
     has_symbolic_shapes,
@@ -151,6 +153,58 @@ def _torch_solution(
     return None
 
 
+def _as_compiler_traces(joint: fx.GraphModule, compiler: str, device: torch.device) -> fx.GraphModule:
+    """The joint graph as `compiler` partitions it: under Inductor, a copy after Inductor's joint-graph passes
+    (which its partitioner runs first: pattern rewrites, no-op removal; on HF GPT-2's layers 685 nodes where the
+    eager joint has 724)."""
+    if compiler != "inductor":
+        return joint
+    from torch._inductor.compile_fx import _recursive_joint_graph_passes
+
+    copied = copy_graph_module(joint)
+    return _recursive_joint_graph_passes(copied, skip_invoke_subgraph=True, input_device=device)
+
+
+@dataclasses.dataclass(frozen=True)
+class _PlanningView:
+    """A joint graph as one compiler runs it: its planning schedule (Inductor fuses pointwise values away),
+    candidates and base memory, the memory problem costed by the profile, and each node's roofline terms."""
+
+    schedule: Any
+    planning: PlanningGraph
+    problem: MemoryProblem
+    terms: Callable[[fx.Node], tuple[float, float]]
+
+    @classmethod
+    def of(cls, job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: int, compiler: str, profile: HardwareProfile,
+           costs: dict, calibration: Any) -> _PlanningView:
+        schedule = planning_schedule(
+            joint,
+            num_fwd_outputs=num_fwd_outputs,
+            parameter_indices=job.parameter_indices,
+            compiler=compiler,
+            analyses=job.ctx.analyses,
+        )
+        schedule = job.with_workspace(schedule, compiler)
+        planning = job.ctx.analyses.get(planning_graph, schedule)
+        no_cost = NodeCost(0, 0, 0)
+        fused = schedule.fused
+
+        def terms(node: fx.Node) -> tuple[float, float]:
+            """The node's roofline terms (compute, memory) by the profile."""
+            cost = costs.get(node, no_cost)
+            if node in fused:  # computed inside its readers' kernel: its own bytes never go through memory
+                cost = NodeCost(cost.flops, 0, 0)
+            return roofline_terms(cost, value_dtype(node), profile)
+
+        def seconds(node: fx.Node) -> float:
+            return combine_seconds(*terms(node), profile, calibration)
+
+        # Offload is a host link's: the profile's (a GPU profile plans offloads even for a graph traced on CPU).
+        transfer = (lambda nbytes: transfer_seconds(nbytes, profile)) if profile.host_to_device is not None else None
+        return cls(schedule, planning, planning.memory_problem(seconds, transfer), terms)
+
+
 def plan_memory_budget(
     job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: int, torch_plan: TorchPlan | None = None
 ) -> tuple[PlanningGraph, TorchPartition | None]:
@@ -169,38 +223,24 @@ def plan_memory_budget(
             costs = ctx.analyses.get(op_cost, joint).per_node
             calibration = graph_calibration(job, joint, costs, resolved.profile, resolved.hash)
     with ctx.instrumented("plan", "candidates"):
-        schedule = planning_schedule(
-            joint,
-            num_fwd_outputs=num_fwd_outputs,
-            parameter_indices=job.parameter_indices,
-            compiler=options.compiler,
-            analyses=ctx.analyses,
-        )
-        schedule = job.with_workspace(schedule)
-        planning = ctx.analyses.get(planning_graph, schedule)
         device = graph_device(joint)
         resolved = job.hardware_profile(device)
         profile = resolved.profile
         costs = ctx.analyses.get(op_cost, joint).per_node
-        no_cost = NodeCost(0, 0, 0)
-
-        fused = schedule.fused
-
-        def terms(node: fx.Node) -> tuple[float, float]:
-            """The node's roofline terms (compute, memory) by the profile."""
-            cost = costs.get(node, no_cost)
-            if node in fused:  # computed inside its readers' kernel: its own bytes never go through memory
-                cost = NodeCost(cost.flops, 0, 0)
-            return roofline_terms(cost, value_dtype(node), profile)
-
-        def seconds(node: fx.Node) -> float:
-            return combine_seconds(*terms(node), profile, calibration)
-
-        # Offload is a host link's: the profile's (a GPU profile plans offloads even for a graph traced on CPU).
-        transfer = (lambda nbytes: transfer_seconds(nbytes, profile)) if profile.host_to_device is not None else None
-        job.problem = planning.memory_problem(seconds, transfer)
+        view = _PlanningView.of(job, joint, num_fwd_outputs, options.compiler, profile, costs, calibration)
+        schedule, planning, terms = view.schedule, view.planning, view.terms
+        job.problem = view.problem
         job.sharing = step_sharing(planning, num_fwd_outputs)
         job.schedule_node_names = tuple(n.name for n in schedule.nodes)
+        job.step_view = None
+        if options.stands_in_for is not None and job.record.mode == "training":
+            # A stand-in: the step is planned with the graph as the compiler it stands in for will run it.
+            compiled_joint = _as_compiler_traces(joint, options.stands_in_for, device)
+            costs_there = ctx.analyses.get(op_cost, compiled_joint).per_node if compiled_joint is not joint else costs
+            other = _PlanningView.of(job, compiled_joint, num_fwd_outputs, options.stands_in_for, profile, costs_there,
+                                     calibration)
+            job.step_view = StepView(other.problem, step_sharing(other.planning, num_fwd_outputs),
+                                     tuple(n.name for n in other.schedule.nodes))
         job.measured_excess, job.carried_excess = {}, 0
         job.record.fusions_refused = 0
         # Under Inductor, after a re-plan: the bytes its schedule held beyond the model (zero at first).

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -23,7 +24,7 @@ from dpcs_compiler.cost.budget import WORKSPACE_FRACTION
 from dpcs_compiler.measure import measure_peak_memory, measure_training_step, resident_bytes
 from dpcs_compiler.models import workload
 from dpcs_compiler.report import predicted_step_peak, step_records
-from dpcs_compiler.stages.job import BudgetInfeasibleError
+from dpcs_compiler.stages.job import BudgetInfeasibleError, job_of
 from dpcs_compiler.stages.memory_plan import TORCH_SOLVER
 
 BATCH = 1024
@@ -244,6 +245,16 @@ def test_graph_breaks_hold_the_step_budget_under_inductor(step_range):
     inductor = [r for r in training if r.compiler == "inductor"]
     assert inductor and all((r.variant_of or r.graph) in first for r in inductor)
     assert not any(r.compiler == "inductor" and r.step_context and r.step_context.get("hold_least") for r in training)
+    # The step was planned with each stand-in as Inductor compiles it: its step view is the problem of the
+    # Inductor variant compiled for the step (Inductor's joint-graph passes and fusions), not its own.
+    for graph in held_least:
+        stand_in = job_of(graph.graph)
+        compiled_job = job_of([r for r in inductor if r.variant_of == graph.graph][-1].graph)
+        view, compiled_problem = stand_in.step_view, compiled_job.problem
+        assert view is not None and view.node_names == compiled_job.schedule_node_names
+        assert view.problem.candidates == compiled_problem.candidates
+        np.testing.assert_array_equal(view.problem.base_bytes, compiled_problem.base_bytes)
+        assert view.sharing == compiled_job.sharing
 
 
 class Backbone(torch.nn.Module):

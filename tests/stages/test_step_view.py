@@ -1,0 +1,53 @@
+"""A stand-in's step view: the graph as the compiler it stands in for will run it (`GraphJob.step_view`)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "passes" / "analysis"))
+from training_graphs import trace_training  # noqa: E402
+
+from dpcs_compiler.cost.memory_model import RECOMPUTE, SAVE, Candidate, MemoryProblem  # noqa: E402
+from dpcs_compiler.stages.job import StepView  # noqa: E402
+from dpcs_compiler.stages.memory_plan import _as_compiler_traces  # noqa: E402
+
+
+def problem(*names: str) -> MemoryProblem:
+    steps = len(names) * 2 + 2
+    return MemoryProblem(
+        base_bytes=np.zeros(steps, dtype=np.int64),
+        base_before_bytes=np.zeros(steps, dtype=np.int64),
+        step_seconds=np.ones(steps),
+        backward_start=len(names) + 1,
+        candidates=tuple(Candidate(n, 8, i, i, len(names) + 1 + i, len(names) + 1 + i) for i, n in enumerate(names)),
+    )
+
+
+def test_a_stand_ins_decisions_read_as_the_views_by_value_name():
+    """The view's candidates can differ from the stand-in's (its compiler fuses a value away, or has one the
+    stand-in has not): each takes the stand-in's decision for the value of that name, and one it lacks is saved."""
+    view = StepView(problem("relu", "mul", "tanh"), sharing=None, node_names=())
+    assert view.decisions(problem("tanh", "clone", "relu"), (RECOMPUTE, RECOMPUTE, SAVE)) == (SAVE, SAVE, RECOMPUTE)
+
+
+def step(x, w0, w1):
+    h = torch.relu(x @ w0).clone()  # a copy Inductor's joint-graph passes take out (eager runs it)
+    return torch.tanh(h @ w1).sum()
+
+
+def test_the_view_of_an_inductor_graph_is_its_joint_after_inductors_joint_passes():
+    """An eager stand-in runs the joint graph as traced; Inductor partitions it after its joint-graph passes,
+    which take out what computes nothing (the clone here: 128 KiB the eager graph holds). The view is a copy:
+    the stand-in's own graph keeps its nodes."""
+    x = torch.randn(256, 128)
+    joint = trace_training(step, x, *(torch.randn(128, 128, requires_grad=True) for _ in range(2))).joint
+    before = [n.name for n in joint.graph.nodes]
+    assert "clone" in before
+    view = _as_compiler_traces(joint, "inductor", torch.device("cpu"))
+    assert view is not joint and "clone" not in [n.name for n in view.graph.nodes]
+    assert [n.name for n in joint.graph.nodes] == before
+    assert _as_compiler_traces(joint, "eager", torch.device("cpu")) is joint
