@@ -159,10 +159,35 @@ def _as_compiler_traces(joint: fx.GraphModule, compiler: str, device: torch.devi
     eager joint has 724)."""
     if compiler != "inductor":
         return joint
+    from torch._guards import detect_fake_mode
     from torch._inductor.compile_fx import _recursive_joint_graph_passes
+    from torch._inductor.virtualized import V
 
-    copied = copy_graph_module(joint)
-    return _recursive_joint_graph_passes(copied, skip_invoke_subgraph=True, input_device=device)
+    values = [n.meta.get("val") for n in joint.graph.find_nodes(op="placeholder")]
+    # As Inductor runs them: under the graph's fake mode (its random-op rewrite traces with it).
+    with V.set_fake_mode(detect_fake_mode(values)):
+        return _recursive_joint_graph_passes(copy_graph_module(joint), skip_invoke_subgraph=True, input_device=device)
+
+
+def _step_view(job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: int, device: torch.device,
+               profile: HardwareProfile, costs: dict, calibration: Any) -> StepView | None:
+    """A stand-in's graph as the compiler it stands in for will run it (`GraphJob.step_view`); None, with a
+    warning, if that graph cannot be made: the step is then planned with the stand-in's own problem, whose
+    plans the compiled variants' prediction and the measured step still hold to the budget (more recomputed
+    than needed where the compiler's graph holds less)."""
+    compiler = job.options.stands_in_for
+    try:
+        compiled_joint = _as_compiler_traces(joint, compiler, device)
+        costs_there = job.ctx.analyses.get(op_cost, compiled_joint).per_node if compiled_joint is not joint else costs
+        view = _PlanningView.of(job, compiled_joint, num_fwd_outputs, compiler, profile, costs_there, calibration)
+    except Exception as error:  # noqa: BLE001 - planning goes on with the stand-in's own graph, said so
+        if job.options.strict:
+            raise
+        warnings.warn(f"dpcs could not build {job.record.graph} as {compiler} will run it ({type(error).__name__}: "
+                      f"{error}): its step is planned with its {job.options.compiler} graph, which can hold more",
+                      stacklevel=2)
+        return None
+    return StepView(view.problem, step_sharing(view.planning, num_fwd_outputs), tuple(n.name for n in view.schedule.nodes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,12 +260,7 @@ def plan_memory_budget(
         job.step_view = None
         if options.stands_in_for is not None and job.record.mode == "training":
             # A stand-in: the step is planned with the graph as the compiler it stands in for will run it.
-            compiled_joint = _as_compiler_traces(joint, options.stands_in_for, device)
-            costs_there = ctx.analyses.get(op_cost, compiled_joint).per_node if compiled_joint is not joint else costs
-            other = _PlanningView.of(job, compiled_joint, num_fwd_outputs, options.stands_in_for, profile, costs_there,
-                                     calibration)
-            job.step_view = StepView(other.problem, step_sharing(other.planning, num_fwd_outputs),
-                                     tuple(n.name for n in other.schedule.nodes))
+            job.step_view = _step_view(job, joint, num_fwd_outputs, device, profile, costs, calibration)
         job.measured_excess, job.carried_excess = {}, 0
         job.record.fusions_refused = 0
         # Under Inductor, after a re-plan: the bytes its schedule held beyond the model (zero at first).

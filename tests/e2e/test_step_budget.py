@@ -257,6 +257,42 @@ def test_graph_breaks_hold_the_step_budget_under_inductor(step_range):
         assert view.sharing == compiled_job.sharing
 
 
+class _DropoutHalves(torch.nn.Module):
+    """Two MLPs with dropout, a graph break between them: Inductor's joint-graph passes rewrite the random
+    ops (with the graph's fake mode), which a stand-in's step view must run as Inductor does."""
+
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.halves = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Dropout(0.1),
+                                torch.nn.Linear(4 * d, d)) for _ in range(2))
+
+    def forward(self, x):
+        h = self.halves[0](x)
+        torch._dynamo.graph_break()
+        return self.halves[1](h)
+
+
+@pytest.mark.inductor
+def test_a_stand_in_with_random_ops_is_planned_as_inductor_runs_it():
+    torch.manual_seed(0)
+    model, x = _DropoutHalves(), torch.randn(256, 64)
+    torch._dynamo.reset()
+    clear_compile_records()
+    compiled = dpcs_compile(model, compiler="inductor", memory_budget=10**9)
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        compiled(x).square().mean().backward()
+    training = [r for r in compile_records() if r.mode == "training"]
+    stand_ins = [r for r in training if r.compiler == "eager"]  # the graph that ends at the break
+    assert len(stand_ins) == 1
+    for record in stand_ins:
+        view = job_of(record.graph).step_view
+        compiled_job = job_of([r for r in training if r.variant_of == record.graph][-1].graph)
+        assert view is not None and view.node_names == compiled_job.schedule_node_names
+        assert view.problem.candidates == compiled_job.problem.candidates
+
+
 class Backbone(torch.nn.Module):
     """Residual MLP blocks: the part of a contrastive model that is compiled."""
 
