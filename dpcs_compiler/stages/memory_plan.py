@@ -258,9 +258,11 @@ def plan_memory_budget(
         job.sharing = step_sharing(planning, num_fwd_outputs)
         job.schedule_node_names = tuple(n.name for n in schedule.nodes)
         job.step_view = None
-        if options.stands_in_for is not None and job.record.mode == "training":
-            # A stand-in: the step is planned with the graph as the compiler it stands in for will run it.
+    if options.stands_in_for is not None and job.record.mode == "training":
+        # A stand-in: the step is planned with the graph as the compiler it stands in for will run it.
+        with ctx.instrumented("plan", "step_view"):
             job.step_view = _step_view(job, joint, num_fwd_outputs, device, profile, costs, calibration)
+    with ctx.instrumented("plan", "candidates"):
         job.measured_excess, job.carried_excess = {}, 0
         job.record.fusions_refused = 0
         # Under Inductor, after a re-plan: the bytes its schedule held beyond the model (zero at first).
