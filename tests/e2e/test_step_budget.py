@@ -293,6 +293,43 @@ def test_a_stand_in_with_random_ops_is_planned_as_inductor_runs_it():
         assert view.problem.candidates == compiled_job.problem.candidates
 
 
+@pytest.mark.inductor
+def test_a_stand_in_whose_view_cannot_be_built_says_so_and_its_step_holds_the_budget(monkeypatch):
+    """Not strict: if the graph as Inductor will run it cannot be built, a warning names the graph and the step
+    is planned with the stand-in's own (eager) graph, which holds more: the budget still holds."""
+    import dpcs_compiler.stages.memory_plan as memory_plan
+
+    def refuse(joint, compiler, device):
+        raise RuntimeError("no joint passes here")
+
+    monkeypatch.setattr(memory_plan, "_as_compiler_traces", refuse)
+    torch.manual_seed(0)
+    model, x = _DropoutHalves(), torch.randn(256, 64)
+    torch._dynamo.reset()
+    clear_compile_records()
+    budget = 1_900_000  # below the step's unplanned peak (1,968,648 B here), above its lowest (1,839,360 B)
+    compiled = torch.compile(model, backend="dpcs", options={"compiler": "inductor", "memory_budget": budget})
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        compiled(x).square().mean().backward()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            step()
+    messages = [str(w.message) for w in caught]
+    assert any("could not build" in m and "as inductor will run it (RuntimeError: no joint passes here)" in m
+               for m in messages), messages
+    stand_ins = [r for r in compile_records() if r.mode == "training" and r.compiler == "eager"]
+    assert stand_ins and all(job_of(r.graph).step_view is None for r in stand_ins)
+    model.zero_grad(set_to_none=True)
+    resident = resident_bytes([*model.parameters(), x])
+    _, peak = measure_peak_memory(step)
+    print(f"budget {budget} B: measured {resident + peak.peak_increase_bytes} B with the eager graphs planned")
+    assert resident + peak.peak_increase_bytes <= budget
+
+
 class Backbone(torch.nn.Module):
     """Residual MLP blocks: the part of a contrastive model that is compiled."""
 
