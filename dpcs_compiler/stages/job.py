@@ -155,11 +155,13 @@ class GraphJob:
     sharing: Any | None = None  # `passes.analysis.planning.StepSharing`: what the step's other graphs see
     schedule_node_names: tuple[str, ...] = ()  # the planning schedule's nodes (a problem step's name)
     held_excess: dict[str, int] | None = None  # the excess the plan was last held to the budget with
-    workspace: WorkspaceTable | None = None  # kernels' own workspace under a budget (`with_workspace`)
+    # Kernels' own workspace under a budget, by the compiler measured for (`with_workspace`): the job's, and a
+    # stand-in's step view's.
+    workspaces: dict[str, WorkspaceTable] = dataclasses.field(default_factory=dict)
     # A stand-in (`DpcsOptions.stands_in_for`): the graph as the compiler it stands in for will run it, which
-    # the step planner plans with (`step_graph`); None otherwise.
+    # the step planner plans with (`step_graph`); None otherwise. Built once: it depends on the joint graph
+    # only, which a re-plan traces again unchanged.
     step_view: StepView | None = None
-    step_view_workspace: WorkspaceTable | None = None
     torch_plan_refused: bool = False  # torch's partition was compiled and its schedule went over: dpcs plans
 
     @classmethod
@@ -248,23 +250,22 @@ class GraphJob:
         if self.options.memory_budget is None:
             return schedule
         compiler = compiler or self.options.compiler
-        table = self.workspace if compiler == self.options.compiler else self.step_view_workspace
+        table = self.workspaces.get(compiler)
         if table is None:
             inductor = compiler == "inductor"
-            table = WorkspaceTable(inductor=inductor, channels_last=inductor and layout_optimized(schedule.graphs[0]))
+            table = self.workspaces[compiler] = WorkspaceTable(
+                inductor=inductor, channels_last=inductor and layout_optimized(schedule.graphs[0])
+            )
             if self.record.mode == "training" and rank_agreement.world() is not None and self.options.rank_agreement:
                 table.agree_on(schedule.nodes)  # the joint graph's: every rank compiles it
-            if compiler == self.options.compiler:
-                self.workspace = table
-            else:
-                self.step_view_workspace = table
         return schedule.with_workspace(table.bytes_of(schedule.nodes))
 
     def kernel_workspace(self, origins: Sequence[fx.Node]) -> int:
         """The workspace of one kernel Inductor schedules, from the FX nodes it comes from (0 without a budget)."""
-        if self.workspace is None:
+        table = self.workspaces.get(self.options.compiler)
+        if table is None:
             return 0
-        return max(self.workspace.bytes_of(origins).values(), default=0)
+        return max(table.bytes_of(origins).values(), default=0)
 
     def rewrite(self, stage: str, gm: fx.GraphModule, rewrites: Sequence[Rewrite]) -> fx.GraphModule:
         """Apply a stage's rewrites to a copy of `gm`: the original stays intact for the fallbacks."""

@@ -257,9 +257,9 @@ def plan_memory_budget(
         job.problem = view.problem
         job.sharing = step_sharing(planning, num_fwd_outputs)
         job.schedule_node_names = tuple(n.name for n in schedule.nodes)
-        job.step_view = None
-    if options.stands_in_for is not None and job.record.mode == "training":
-        # A stand-in: the step is planned with the graph as the compiler it stands in for will run it.
+    if options.stands_in_for is not None and job.record.mode == "training" and job.step_view is None:
+        # A stand-in: the step is planned with the graph as the compiler it stands in for will run it (built
+        # once: a re-plan traces the same joint graph).
         with ctx.instrumented("plan", "step_view"):
             job.step_view = _step_view(job, joint, num_fwd_outputs, device, profile, costs, calibration)
     with ctx.instrumented("plan", "candidates"):
