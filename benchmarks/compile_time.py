@@ -2,7 +2,7 @@
 passes grow with the graph.
 
     python benchmarks/compile_time.py [--layers 12,24,48] [--ratio-layers 12] [--batch 2] [--seq 128]
-                                      [--out benchmarks/results] [--quick]
+                                      [--repeats 3] [--out benchmarks/results] [--quick]
 
 The model is Hugging Face's GPT-2 (`GPT2LMHeadModel` from `GPT2Config(n_layer=L)`, random weights, nothing
 downloaded), trained on one batch of `batch x seq` tokens with its own loss (`labels=`): Dynamo breaks the
@@ -13,8 +13,9 @@ is reused: a user's first run).
 1. Compile-time ratio, at `--ratio-layers`: the first 3 steps (forward and backward; the first compiles
    them, and with graph breaks dpcs compiles the step's plan at the second) with plain `torch.compile`
    (Inductor), with dpcs and no budget, and with dpcs and a budget (`--budget-fraction` of the step's
-   measured peak without one, the peak being Inductor's; on_infeasible="best"). Ratios are against plain
-   Inductor; the first step alone is reported too.
+   measured peak without one, the peak being Inductor's; on_infeasible="best"). The three run in turn,
+   `--repeats` rounds, and each mode's run of median time is reported (with every run's time and the ratio
+   within each round). Ratios are against plain Inductor; the first step alone is reported too.
 2. Pass time against graph size, at each of `--layers`: dpcs's passes (the sum of every compile record's
    pass seconds, and the step planner's time, "step/plan") with the budget, compiled with compiler="eager"
    (the passes are the same; Inductor's own time is left out), against the joint graph's nodes. Linear growth keeps seconds per node flat.
@@ -143,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--budget-fraction", type=float, default=0.9)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of the three modes, interleaved")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--one", nargs=2, metavar=("LAYERS", "MODE"), help=argparse.SUPPRESS)
@@ -152,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.one:
         print(json.dumps(one_run(int(args.one[0]), args.one[1], args.batch, args.seq, args.budget, args.compiler, args.quick)))
         return 0
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats} is not valid; valid choices: an int >= 1")
     if args.quick:
         args.layers, args.ratio_layers, args.seq = "2,4", 2, 32
 
@@ -161,16 +165,30 @@ def main(argv: list[str] | None = None) -> int:
     from rich.table import Table
 
     console = Console()
-    # 1. The first step at `ratio_layers`: plain Inductor, dpcs, dpcs with a budget.
-    plain = run(args.ratio_layers, "inductor", args)
-    budget = int(plain["peak_bytes"] * args.budget_fraction)
-    ratio_runs = [plain, run(args.ratio_layers, "dpcs", args), run(args.ratio_layers, "dpcs_budget", args, budget=budget)]
+    # 1. The first step at `ratio_layers`: plain Inductor, dpcs, dpcs with a budget, interleaved `--repeats`
+    # times (a machine's compile times drift by 20% over minutes); each mode's run of median time is reported.
+    rounds: list[list[dict]] = []
+    budget = None
+    for _ in range(args.repeats):
+        plain = run(args.ratio_layers, "inductor", args)
+        budget = budget or int(plain["peak_bytes"] * args.budget_fraction)
+        rounds.append([plain, run(args.ratio_layers, "dpcs", args),
+                       run(args.ratio_layers, "dpcs_budget", args, budget=budget)])
+    ratio_runs = []
+    for i in range(len(MODES)):
+        runs = sorted((r[i] for r in rounds), key=lambda r: r["steps_s"])
+        median = dict(runs[(len(runs) - 1) // 2])  # the lower middle run of an even count
+        median["steps_s_all"] = [r[i]["steps_s"] for r in rounds]
+        median["first_step_s_all"] = [r[i]["first_step_s"] for r in rounds]
+        median["paired_ratios"] = [r[i]["steps_s"] / r[0]["steps_s"] for r in rounds]
+        ratio_runs.append(median)
+    plain = ratio_runs[0]
     for r in ratio_runs:
         r["ratio"] = r["steps_s"] / plain["steps_s"]
         r["first_step_ratio"] = r["first_step_s"] / plain["first_step_s"]
         r["pass_share"] = r["pass_s"] / r["steps_s"]
     table = Table(title=f"First {STEPS} steps, HF GPT-2 {args.ratio_layers} layers, batch {args.batch} x {args.seq} "
-                        "(cold caches)")
+                        f"(cold caches; median of {args.repeats} interleaved runs)")
     for column in ("mode", f"{STEPS} steps s", "vs Inductor", "first step s", "vs Inductor", "dpcs passes s",
                    "share", "re-plans", "solvers"):
         table.add_column(column)
@@ -201,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         "transformers": _version("transformers"),
         "python": platform.python_version(),
         "batch": args.batch, "seq": args.seq, "quick": args.quick, "budget_fraction": args.budget_fraction,
+        "repeats": args.repeats,
         "first_step": ratio_runs,
         "pass_scaling": scaling,
         "targets": {

@@ -207,6 +207,33 @@ def recomputed_matmuls(monkeypatch):
     monkeypatch.setattr(partition_stage, "partition_by_plan", real)
 
 
+@contextlib.contextmanager
+def backward_lowerings(monkeypatch):
+    """Counts Inductor's compiles (lowerings) of backward graphs: each candidate backward dpcs schedules, and
+    the backward it compiles."""
+    import torch._inductor.compile_fx as compile_fx
+
+    count = [0]
+    real = compile_fx.compile_fx_inner
+
+    def counted(gm, example_inputs, *args, **kwargs):
+        count[0] += bool(kwargs.get("is_backward"))
+        return real(gm, example_inputs, *args, **kwargs)
+
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", counted)
+    yield count
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", real)
+
+
+def lowerings_expected(record) -> int:
+    """The backward lowerings a plan over its budget costs (`PartCompiler.lowest_scheduled_backward`): one per
+    candidate scheduled, and one more for the compile unless the last scheduled was the lowest, compiled as
+    it was."""
+    scheduled = list(record.backward_order_scheduled)
+    chosen = record.backward_order + (", producers apart" if record.backward_fusion == "producers apart" else "")
+    return len(scheduled) + (scheduled[-1] != chosen)
+
+
 RANK_TIMEOUT_S = 240  # a rank that waits longer is hung: the test fails instead of hanging
 PEER_GRACE_S = 30  # once a rank failed, the others are given this long to finish or fail, then killed
 

@@ -108,6 +108,15 @@ class PassContext:
             instrument.after_pass(stage, name, gm, seconds, modified[0])
         log.debug("%s/%s took %.3f s (modified=%s)", stage, name, seconds, modified[0])
 
+    def account(self, stage: str, name: str, seconds: float, gm: fx.GraphModule | None = None) -> None:
+        """Report `seconds` as pass `stage/name`, timed by its caller (work that ends inside another's call,
+        such as a choice made inside Inductor's compile, which then goes on with the compile's own work)."""
+        for instrument in self.instruments:
+            instrument.before_pass(stage, name, gm)
+        for instrument in self.instruments:
+            instrument.after_pass(stage, name, gm, seconds, False)
+        log.debug("%s/%s took %.3f s", stage, name, seconds)
+
 
 class Rewrite(abc.ABC):
     """A graph rewrite. Subclasses set `name` and `preserves`, and implement `run`."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -36,7 +37,7 @@ INFERENCE_REWRITES: tuple[Rewrite, ...] = ()
 
 
 class _Scheduled(Exception):
-    """Ends a trial compile once Inductor has scheduled the graph (`PartCompiler.scheduled_increase`)."""
+    """Ends a candidate's compile once Inductor has scheduled it (`PartCompiler.lowest_scheduled_backward`)."""
 
     def __init__(self, peak: ScheduledPeak) -> None:
         super().__init__("scheduled")
@@ -64,6 +65,7 @@ class PartCompiler:
 
     def __init__(self, job: GraphJob) -> None:
         self.job = job
+        self.compiling_chosen = False  # a candidate backward is being compiled as the backward itself
 
     def prepare(self, kind: str, gm: fx.GraphModule) -> fx.GraphModule:
         """dpcs's work on one part, guarded: if any of it fails (and not strict), the part compiles as given.
@@ -114,29 +116,55 @@ class PartCompiler:
         if self.job.options.memory_budget is None or kind == "inference":
             return compile_fx_inner(gm, example_inputs, *args, **kwargs)
         if kind == "backward" and self.job.schedule_backward:
-            with self.job.ctx.instrumented("backward", "order_by_schedule"):
-                try:
-                    gm = self.lowest_scheduled_backward(gm, example_inputs, *args, **kwargs)
-                except Exception as error:  # optional lowerings: the plan compiles as it is
-                    if self.job.options.strict:
-                        raise
-                    warnings.warn(
-                        f"dpcs could not schedule the candidate backwards of {self.job.record.graph} "
-                        f"({type(error).__name__}: {error}); compiling autograd's order",
-                        stacklevel=2,
-                    )
+            started = time.perf_counter()
+            self.compiling_chosen = False
+            try:
+                gm, compiled = self.lowest_scheduled_backward(gm, example_inputs, *args, **kwargs)
+            except Exception as error:  # optional lowerings: the plan compiles as it is
+                if self.job.options.strict or self.compiling_chosen:  # the compile's own error (or a re-plan)
+                    raise
+                warnings.warn(
+                    f"dpcs could not schedule the candidate backwards of {self.job.record.graph} "
+                    f"({type(error).__name__}: {error}); compiling autograd's order",
+                    stacklevel=2,
+                )
+                compiled = None
+            if compiled is not None:  # the last candidate scheduled was the lowest, compiled as it was
+                return compiled
+            self.job.ctx.account("backward", "order_by_schedule", time.perf_counter() - started)
         producers_apart = kind == "backward" and self.job.record.backward_fusion == "producers apart"
+        return self.compile_planned(kind, gm, example_inputs, *args, producers_apart=producers_apart, **kwargs)
+
+    def compile_planned(self, kind: str, gm: fx.GraphModule, example_inputs: Sequence[Any], *args: Any,
+                        producers_apart: bool = False, gate: Callable[[ScheduledPeak, Any], bool] | None = None,
+                        **kwargs: Any):
+        """compile_fx_inner on a planned graph: lowered as planned (`lowering_as_planned`) and its schedule
+        held to the budget (`check_schedule`) as soon as Inductor has fused it.
+
+        `gate`: called first at that point, with the schedule and the fusion guard; False ends the compile
+        there (`_Scheduled`, raised, possibly inside Inductor's `InductorError`), True lets it go on. A graph
+        whose schedule is not read is compiled without asking it, and returned as it is (the caller, not asked,
+        does not use it)."""
+        from torch._inductor.compile_fx import compile_fx_inner
+
         with lowering_as_planned(self.job.plan.torch_plan, producers_apart) as guard, contextlib.ExitStack() as stack:
             probe = None
             if kind in self.job.graph_inputs and probe_available():
                 resident, present = self.job.graph_inputs[kind]
+
+                def check(peak: ScheduledPeak) -> None:
+                    if gate is not None and not gate(peak, guard):
+                        raise _Scheduled(peak)
+                    self.check_schedule(kind, peak)
+
                 # Checked as soon as Inductor has fused it: a plan over the budget is re-made before any code
                 # is generated for it.
                 probe = stack.enter_context(probe_scheduled_peak(
-                    resident=resident, present=present, check=lambda peak: self.check_schedule(kind, peak),
-                    workspace=self.job.kernel_workspace,
+                    resident=resident, present=present, check=check, workspace=self.job.kernel_workspace,
                 ))
             compiled = compile_fx_inner(gm, example_inputs, *args, **kwargs)
+        if gate is not None and (probe is None or probe.checked is None):
+            return compiled  # not asked: a candidate the caller does not use (`_candidate`)
         self.job.record.fusions_refused += guard.refused if guard is not None else 0
         if probe is None:
             # The partitioned graphs were held to the budget instead (`JointPartitioner`).
@@ -160,18 +188,26 @@ class PartCompiler:
         return compiled
 
     def lowest_scheduled_backward(self, gm: fx.GraphModule, example_inputs: Sequence[Any], *args: Any,
-                                  **kwargs: Any) -> fx.GraphModule:
+                                  **kwargs: Any) -> tuple[fx.GraphModule, Any]:
         """The backward as Inductor schedules it to the lowest peak, of: autograd's order or its sunk order
         (`passes.rewrite.backward_order`, when it simulates lower: `GraphJob.order_by_schedule`), each lowered
         with Inductor's producer/consumer fusions or with the fusion guard keeping producers apart from later
         consumers (`planned_fusion_choices`). Under Inductor the order given steers its fusion and reordering,
         and a fusion moves kernels, so the FX simulation cannot tell (measured both ways: the guard's rule
-        lowers the bench Llama's lowest plan by 1 MB and raises Hugging Face GPT-2's by 5 MB). Each candidate
-        is scheduled (lowered and fused, no code generated) and the lowest kept, ties going to autograd's order
-        and Inductor's fusions. Only for plans over their budget, where a lower peak is what is missing: it
-        costs one to four more lowerings of the backward. The choice is the record's `backward_order` and
-        `backward_fusion`, which the compile reads."""
-        job = self.job
+        lowers the bench Llama's lowest plan by 1 MB and raises Hugging Face GPT-2's by 5 MB). Only for plans
+        over their budget, where a lower peak is what is missing.
+
+        Each candidate is scheduled (lowered and fused) and the lowest kept, ties going to autograd's order and
+        Inductor's fusions. Candidates are scheduled in that order of precedence, each order with Inductor's
+        fusions first; the guard's rule is scheduled only where it would refuse a fusion (else it schedules the
+        same). The last candidate is lowered as the compile itself: if it is the lowest when its schedule is
+        read, code is generated for it and it is returned compiled, else it stops there and the lowest is
+        compiled after. So one more lowering of the backward where nothing else is to be scheduled, two where
+        the rule changes the schedule, up to four more with the sunk order. The choice is the record's
+        `backward_order` and `backward_fusion`, which the compile reads.
+
+        Returns the backward to compile and None, or the chosen backward and its compiled form."""
+        job, started = self.job, time.perf_counter()
         resident, present = job.graph_inputs["backward"]
         orders = {"autograd": gm}
         if job.order_by_schedule:
@@ -179,54 +215,82 @@ class PartCompiler:
             if apply_order(sunk.graph, sunk_order(sunk.graph, resident)):
                 sunk.recompile()
                 orders["sunk"] = sunk
-        # (order, producers apart) -> scheduled increase; listed so that ties go to autograd's order and
-        # Inductor's own fusions.
+        # (order, producers apart) -> scheduled increase, in order of precedence (ties go to the first).
         peaks: dict[tuple[str, bool], int | None] = {}
+        last_order = list(orders)[-1]
+
+        def choose(name: str, apart: bool) -> None:
+            job.record.backward_order = name
+            job.record.backward_fusion = "producers apart" if apart else "inductor"
+            job.record.backward_order_scheduled = {
+                order + (", producers apart" if rule else ""): peak for (order, rule), peak in peaks.items()
+            }
+            log.info("%s: backward scheduled above its start: %s", job.record.graph,
+                     job.record.backward_order_scheduled)
+
         for name, graph in orders.items():
-            apart, refused = self.scheduled_increase(graph, example_inputs, resident, present, *args,
-                                                     producers_apart=True, **kwargs)
-            if refused:  # else the rule changed nothing: Inductor's own fusions schedule the same
-                peaks[(name, False)], _ = self.scheduled_increase(graph, example_inputs, resident, present, *args,
-                                                                  **kwargs)
-                peaks[(name, True)] = apart
-            else:
-                peaks[(name, False)] = apart
+            for apart in (False, True):
+                read: list[bool] = []  # whether the guard's rule refuses (or would refuse) a fusion here
+
+                def gate(peak: ScheduledPeak, guard: Any, name: str = name, apart: bool = apart,
+                         read: list[bool] = read) -> bool:
+                    """Whether this candidate is the one to compile: the last to schedule (the rule, not
+                    scheduled yet, would change nothing), and lower than every candidate before it."""
+                    earlier = list(peaks.values())
+                    refuses = guard is None or (guard.refused_vertical if apart else guard.would_refuse_vertical) > 0
+                    peaks[(name, apart)] = peak.increase_bytes
+                    read.append(refuses)
+                    last = name == last_order and (apart or not refuses)
+                    if last and None not in earlier and all(peak.increase_bytes < p for p in earlier):
+                        # The time spent choosing ends here; code generation is the compile's own.
+                        job.ctx.account("backward", "order_by_schedule", time.perf_counter() - started)
+                        self.compiling_chosen = True
+                        choose(name, apart)
+                        return True
+                    return False
+
+                compiled = self._candidate(graph, example_inputs, gate, *args, producers_apart=apart, **kwargs)
+                if compiled is not None:
+                    return graph, compiled
+                if not read:  # its schedule was not read: the plan compiles as it is
+                    peaks[(name, apart)] = None
+                    break
+                if not apart and not read[0]:  # the rule would refuse nothing: it schedules the same
+                    break
         job.record.backward_order_scheduled = {
             name + (", producers apart" if apart else ""): peak for (name, apart), peak in peaks.items()
         }
         log.info("%s: backward scheduled above its start: %s", job.record.graph, job.record.backward_order_scheduled)
-        if None in peaks.values():  # a schedule not read: the plan compiles as it is
-            return gm
+        if None in peaks.values():
+            return gm, None
         name, apart = min(peaks, key=peaks.__getitem__)  # the first of the lowest
-        job.record.backward_order = name
-        job.record.backward_fusion = "producers apart" if apart else "inductor"
-        return orders[name]
+        choose(name, apart)
+        return orders[name], None
 
-    def scheduled_increase(self, gm: fx.GraphModule, example_inputs: Sequence[Any], resident: frozenset[str],
-                           present: frozenset[str], *args: Any, producers_apart: bool = False, **kwargs: Any
-                           ) -> tuple[int | None, int]:
-        """Inductor's scheduled peak of `gm` above its start, as the compile would schedule it, read after
-        fusion and before any code is generated (the compile stops there); None if it cannot be read. With
-        the producer/consumer fusions the guard refused (`producers_apart`)."""
-        from torch._inductor.compile_fx import compile_fx_inner
+    def _candidate(self, gm: fx.GraphModule, example_inputs: Sequence[Any], gate: Callable[[ScheduledPeak, Any], bool],
+                   *args: Any, producers_apart: bool = False, **kwargs: Any) -> Any:
+        """One candidate backward (a copy of `gm`) compiled up to Inductor's schedule, where `gate` decides:
+        the compiled graph if it let the compile go on, None if it stopped it. A compile whose schedule is not
+        read (no kernels) is not used (None, `gate` not called)."""
         from torch._inductor.exc import InductorError
 
-        def stop(peak: ScheduledPeak) -> None:
-            raise _Scheduled(peak)
-
         trial = copy_graph_module(gm)
-        with lowering_as_planned(torchs=False, producers_apart=producers_apart) as guard, probe_scheduled_peak(
-            resident=resident, present=present, check=stop, workspace=self.job.kernel_workspace
-        ):
-            try:
-                compile_fx_inner(trial, example_inputs, *args, **kwargs)
-            except InductorError as error:
-                if isinstance(error.inner_exception, _Scheduled):
-                    return error.inner_exception.peak.increase_bytes, guard.refused_vertical
-                raise
-            except _Scheduled as scheduled:
-                return scheduled.peak.increase_bytes, guard.refused_vertical
-        return None, guard.refused_vertical  # compiled without a reading (no kernels)
+        asked: list[bool] = []
+
+        def asked_gate(peak: ScheduledPeak, guard: Any) -> bool:
+            asked.append(gate(peak, guard))
+            return asked[-1]
+
+        try:
+            compiled = self.compile_planned("backward", trial, example_inputs, *args, producers_apart=producers_apart,
+                                            gate=asked_gate, **kwargs)
+        except InductorError as error:
+            if isinstance(error.inner_exception, _Scheduled):
+                return None
+            raise
+        except _Scheduled:
+            return None
+        return compiled if asked and asked[-1] else None
 
     def check_schedule(self, kind: str, scheduled: ScheduledPeak) -> None:
         """Hold Inductor's schedule of a planned graph to the budget (`GraphJob.hold_to_budget`).

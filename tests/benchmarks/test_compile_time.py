@@ -36,8 +36,12 @@ def test_a_failing_run_names_its_command(compile_time):
 
 
 def test_results_file_and_plot(compile_time, monkeypatch, tmp_path):
+    drift = iter([1.0, 1.0, 1.0, 1.3, 1.3, 1.3, 0.9, 0.9, 0.9])  # the machine slows, then speeds up
+
     def fake_run(layers, mode, args, *, budget=None, compiler="inductor"):
         seconds = {"inductor": 10.0, "dpcs": 10.5, "dpcs_budget": 11.0}[mode]
+        if compiler == "inductor":  # the interleaved rounds of the ratio
+            seconds *= next(drift)
         return {"layers": layers, "mode": mode, "first_step_s": seconds * layers / 2, "steps_s": seconds * layers,
                 "peak_bytes": 1000,
                 "graphs": 2, "compiles": 2, "joint_nodes": 100 * layers, "pass_s": 0.0 if mode == "inductor" else 0.01 * layers,
@@ -48,7 +52,12 @@ def test_results_file_and_plot(compile_time, monkeypatch, tmp_path):
     assert compile_time.main(["--quick", "--out", str(tmp_path)]) == 0
     payload = json.loads((tmp_path / "compile_time_cpu_quick.json").read_text())
     assert payload["torch"] and payload["device"].startswith("cpu")
+    # Each mode's median run of three interleaved rounds: the drift cancels.
+    assert payload["repeats"] == 3
     assert payload["targets"]["budget_ratio"] == pytest.approx(1.1) and payload["targets"]["budget_ratio_holds"]
+    budgeted = payload["first_step"][2]
+    assert budgeted["steps_s_all"] == pytest.approx([22.0, 28.6, 19.8]) and budgeted["steps_s"] == pytest.approx(22.0)
+    assert budgeted["paired_ratios"] == pytest.approx([1.1] * 3)
     assert payload["targets"]["us_per_node_growth"] == pytest.approx(1.0)
     assert [r["layers"] for r in payload["pass_scaling"]] == [2, 4]
     assert (tmp_path / "compile_time_cpu_quick.png").read_bytes()[:8] == PNG_MAGIC

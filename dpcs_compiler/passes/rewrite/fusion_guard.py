@@ -65,6 +65,9 @@ class PlannedFusionChoices(InductorChoices):
         self.keep_producers_apart = keep_producers_apart
         self.refused = 0
         self.refused_vertical = 0
+        # Without `keep_producers_apart`: the producer/consumer fusions it would have refused. None of them means
+        # the rule changes nothing here: with it, Inductor would be asked the same and answer alike throughout.
+        self.would_refuse_vertical = 0
 
     def _bytes_by_order(self, scheduler) -> list[int]:
         """Bytes each node allocates, by its place in the order before fusion (read at the first call)."""
@@ -90,8 +93,6 @@ class PlannedFusionChoices(InductorChoices):
     def can_fuse_vertical(self, scheduler, node1, node2, shared_data_score: int) -> bool:
         if not super().can_fuse_vertical(scheduler, node1, node2, shared_data_score):
             return False
-        if not self.keep_producers_apart:
-            return True
         early, late = (node1, node2) if node1.min_order <= node2.min_order else (node2, node1)
         if late.min_order <= early.max_order + 1:
             return True
@@ -105,6 +106,9 @@ class PlannedFusionChoices(InductorChoices):
             if not user.is_weak and user.node.get_name() not in names and user.get_name() != "OUTPUT"
         )
         if read_between and self._across_allocations(scheduler, early, late):
+            if not self.keep_producers_apart:
+                self.would_refuse_vertical += 1
+                return True
             self.refused += 1
             self.refused_vertical += 1
             return False

@@ -15,6 +15,7 @@ from dpcs_compiler.measure import measure_peak_memory
 from dpcs_compiler.options import DpcsOptions
 from dpcs_compiler.passes.rewrite.backward_order import apply_order, sunk_order
 from dpcs_compiler.report import compile_records, records_since
+from dpcs_testing import backward_lowerings, lowerings_expected
 
 N, D, H = 64, 32, 128
 
@@ -230,12 +231,13 @@ def test_under_inductor_the_lowest_plan_keeps_the_order_inductor_schedules_lower
     before = compile_records()
     compiled = torch.compile(w.model, backend="dpcs", dynamic=False,
                              options={"memory_budget": 1, "on_infeasible": "best", "strict": True})
-    with pytest.warns(UserWarning, match="cannot be met"):
+    with pytest.warns(UserWarning, match="cannot be met"), backward_lowerings(monkeypatch) as lowerings:
         w.model.zero_grad(set_to_none=True)
         w.loss_fn(compiled(*w.inputs)).backward()
     record = next(r for r in records_since(before) if r.mode == "training")
     scheduled = record.backward_order_scheduled
     assert scheduled["sunk"] < scheduled["autograd"], scheduled
+    assert lowerings[0] == lowerings_expected(record), (lowerings, scheduled)
     assert record.backward_order == "sunk" and record.plan_feasible is False
     assert record.pass_seconds["backward/order_by_schedule"] > 0
     grads = {n: p.grad.clone() for n, p in w.model.named_parameters()}

@@ -89,7 +89,7 @@ def producer_read_early(a, b, w, v):
 @pytest.mark.inductor
 def test_guard_keeps_a_producer_read_early_apart_from_its_later_consumer():
     inputs = [torch.randn(N, N) for _ in range(4)]
-    peaks, refused = {}, {}
+    peaks, refused, would = {}, {}, {}
     for guarded in (False, True):
         torch._dynamo.reset()
         compiled = torch.compile(producer_read_early, backend="inductor", dynamic=False)
@@ -100,10 +100,14 @@ def test_guard_keeps_a_producer_read_early_apart_from_its_later_consumer():
             _, peak = measure_peak_memory(compiled, *inputs)
         torch.testing.assert_close(outputs, producer_read_early(*inputs), **TOLERANCE)
         peaks[guarded], refused[guarded] = peak.peak_increase_bytes, guard.refused_vertical
+        would[guarded] = guard.would_refuse_vertical
         if guarded:  # e's kernel, the weight gradient's matmul, the second matmul, then the consumer's kernel
             FileCheck().check("cpp_fused_mul_relu").check("extern_kernels.mm").check("extern_kernels.mm").check(
                 "cpp_fused").check("extern_kernels.mm").run(code)
         else:  # one kernel for e and the consumer, after the second matmul
             FileCheck().check("extern_kernels.mm").check("cpp_fused_add_mul_relu").check("extern_kernels.mm").run(code)
     assert refused[False] == 0 and refused[True] >= 1, refused
+    # Off, the guard counts the fusions the rule would refuse (what tells dpcs the rule changes the schedule);
+    # on, it refuses them instead.
+    assert would[False] >= 1 and would[True] == 0, would
     assert peaks[False] - peaks[True] >= BUFFER - 4096, peaks
