@@ -154,9 +154,9 @@ def _torch_solution(
 
 
 def _as_compiler_traces(joint: fx.GraphModule, compiler: str, device: torch.device) -> fx.GraphModule:
-    """The joint graph as `compiler` partitions it: under Inductor, a copy after Inductor's joint-graph passes
-    (which its partitioner runs first: pattern rewrites, no-op removal; on HF GPT-2's layers 685 nodes where the
-    eager joint has 724)."""
+    """The joint graph as `compiler` partitions it: under Inductor, the graph after Inductor's joint-graph
+    passes (which its partitioner runs first: pattern rewrites, no-op removal; on HF GPT-2's layers 685 nodes
+    where the eager joint has 724), run on `joint` itself (a copy: `_step_view`'s caller's)."""
     if compiler != "inductor":
         return joint
     from torch._guards import detect_fake_mode
@@ -166,19 +166,20 @@ def _as_compiler_traces(joint: fx.GraphModule, compiler: str, device: torch.devi
     values = [n.meta.get("val") for n in joint.graph.find_nodes(op="placeholder")]
     # As Inductor runs them: under the graph's fake mode (its random-op rewrite traces with it).
     with V.set_fake_mode(detect_fake_mode(values)):
-        return _recursive_joint_graph_passes(copy_graph_module(joint), skip_invoke_subgraph=True, input_device=device)
+        return _recursive_joint_graph_passes(joint, skip_invoke_subgraph=True, input_device=device)
 
 
 def _step_view(job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: int, device: torch.device,
-               profile: HardwareProfile, costs: dict, calibration: Any) -> StepView | None:
+               profile: HardwareProfile, calibration: Any) -> StepView | None:
     """A stand-in's graph as the compiler it stands in for will run it (`GraphJob.step_view`); None, with a
     warning, if that graph cannot be made: the step is then planned with the stand-in's own problem, whose
     plans the compiled variants' prediction and the measured step still hold to the budget (more recomputed
-    than needed where the compiler's graph holds less)."""
+    than needed where the compiler's graph holds less). `joint`: a copy of the stand-in's joint graph, which
+    the compiler's passes change."""
     compiler = job.options.stands_in_for
     try:
         compiled_joint = _as_compiler_traces(joint, compiler, device)
-        costs_there = job.ctx.analyses.get(op_cost, compiled_joint).per_node if compiled_joint is not joint else costs
+        costs_there = job.ctx.analyses.get(op_cost, compiled_joint).per_node
         view = _PlanningView.of(job, compiled_joint, num_fwd_outputs, compiler, profile, costs_there, calibration)
     except Exception as error:  # noqa: BLE001 - planning goes on with the stand-in's own graph, said so
         if job.options.strict:
@@ -257,11 +258,17 @@ def plan_memory_budget(
         job.problem = view.problem
         job.sharing = step_sharing(planning, num_fwd_outputs)
         job.schedule_node_names = tuple(n.name for n in schedule.nodes)
-    if options.stands_in_for is not None and job.record.mode == "training" and job.step_view is None:
+    if options.stands_in_for is not None and job.record.mode == "training" and not job.has_step_view:
         # A stand-in: the step is planned with the graph as the compiler it stands in for will run it (built
-        # once: a re-plan traces the same joint graph).
-        with ctx.instrumented("plan", "step_view"):
-            job.step_view = _step_view(job, joint, num_fwd_outputs, device, profile, costs, calibration)
+        # once, at its first use: a re-plan traces the same joint graph), from a copy of this joint graph
+        # (the partition changes the graph it is given).
+        source = copy_graph_module(joint)
+
+        def build() -> StepView | None:
+            with ctx.instrumented("plan", "step_view"):
+                return _step_view(job, source, num_fwd_outputs, device, profile, calibration)
+
+        job.defer_step_view(build)
     with ctx.instrumented("plan", "candidates"):
         job.measured_excess, job.carried_excess = {}, 0
         job.record.fusions_refused = 0
