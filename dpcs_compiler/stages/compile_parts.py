@@ -45,18 +45,19 @@ class _Scheduled(Exception):
 
 
 @contextlib.contextmanager
-def lowering_as_planned(torchs: bool, producers_apart: bool = False) -> Iterator[Any]:
+def lowering_as_planned(torchs: bool, producers_apart: bool = False, count_refusable: bool = False) -> Iterator[Any]:
     """Inductor's settings for lowering a partitioned graph; yields the fusion guard (None for torch's plan).
 
     Inductor's buffer pool keeps a dead buffer allocated until a later one of the same size takes it over,
     which can hold memory across the peak the plan was made for (measured: +8% on a 2-layer GPT with two
     recomputed MLP inputs), so it is off for dpcs's plans; in-place reuse of dying inputs stays on, and on
     CUDA the caching allocator reuses freed memory anyway. Fusions that would raise the planned peak are
-    refused (`planned_fusion_choices`; `producers_apart`: its producer/consumer rule too). Torch's own
+    refused (`planned_fusion_choices`; `producers_apart`: its producer/consumer rule too; `count_refusable`:
+    without it, count the fusions it would refuse). Torch's own
     partition (kept: it fits) is lowered as plain Inductor lowers it.
     """
     with torch._inductor.config.patch(allow_buffer_reuse=torchs and torch._inductor.config.allow_buffer_reuse), \
-            (contextlib.nullcontext(None) if torchs else planned_fusion_choices(producers_apart)) as guard:
+            (contextlib.nullcontext(None) if torchs else planned_fusion_choices(producers_apart, count_refusable)) as guard:
         yield guard
 
 
@@ -147,7 +148,10 @@ class PartCompiler:
         does not use it)."""
         from torch._inductor.compile_fx import compile_fx_inner
 
-        with lowering_as_planned(self.job.plan.torch_plan, producers_apart) as guard, contextlib.ExitStack() as stack:
+        # A candidate (gated) counts the fusions the producer/consumer rule would refuse (`lowest_scheduled_backward`).
+        counting = gate is not None and not producers_apart
+        with lowering_as_planned(self.job.plan.torch_plan, producers_apart, counting) as guard, \
+                contextlib.ExitStack() as stack:
             probe = None
             if kind in self.job.graph_inputs and probe_available():
                 resident, present = self.job.graph_inputs[kind]
@@ -257,11 +261,12 @@ class PartCompiler:
                     break
                 if not apart and not read[0]:  # the rule would refuse nothing: it schedules the same
                     break
-        job.record.backward_order_scheduled = {
-            name + (", producers apart" if apart else ""): peak for (name, apart), peak in peaks.items()
-        }
-        log.info("%s: backward scheduled above its start: %s", job.record.graph, job.record.backward_order_scheduled)
         if None in peaks.values():
+            job.record.backward_order_scheduled = {
+                name + (", producers apart" if apart else ""): peak for (name, apart), peak in peaks.items()
+            }
+            log.info("%s: backward scheduled above its start: %s (not all read: compiled as it is)",
+                     job.record.graph, job.record.backward_order_scheduled)
             return gm, None
         name, apart = min(peaks, key=peaks.__getitem__)  # the first of the lowest
         choose(name, apart)

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._guards import detect_fake_mode
 
 from dpcs_compiler import rank_agreement
 from dpcs_compiler.cost.budget import DeviceMemory, resolve_budget, torch_plan_limit
@@ -22,6 +23,7 @@ from dpcs_compiler.cost.step_model import StepContext, in_step, least_held_cap
 from dpcs_compiler.debug.render import format_bytes
 from dpcs_compiler.passes.analysis import op_cost
 from dpcs_compiler.passes.analysis.inductor_schedule import probe_available
+from dpcs_compiler.passes.analysis.tensor_bytes import size_hints
 from dpcs_compiler.passes.analysis.planning import (
     PlanningGraph,
     planning_graph,
@@ -153,32 +155,33 @@ def _torch_solution(
     return None
 
 
-def _as_compiler_traces(joint: fx.GraphModule, compiler: str, device: torch.device) -> fx.GraphModule:
+def _as_compiler_traces(joint: fx.GraphModule, compiler: str, device: torch.device,
+                        fake_mode: Any = None) -> fx.GraphModule:
     """The joint graph as `compiler` partitions it: under Inductor, the graph after Inductor's joint-graph
     passes (which its partitioner runs first: pattern rewrites, no-op removal; on HF GPT-2's layers 685 nodes
     where the eager joint has 724), run on `joint` itself (a copy: `_step_view`'s caller's)."""
     if compiler != "inductor":
         return joint
-    from torch._guards import detect_fake_mode
     from torch._inductor.compile_fx import _recursive_joint_graph_passes
     from torch._inductor.virtualized import V
 
-    values = [n.meta.get("val") for n in joint.graph.find_nodes(op="placeholder")]
+    if fake_mode is None:
+        fake_mode = detect_fake_mode([n.meta.get("val") for n in joint.graph.find_nodes(op="placeholder")])
     # As Inductor runs them: under the graph's fake mode (its random-op rewrite traces with it).
-    with V.set_fake_mode(detect_fake_mode(values)):
+    with V.set_fake_mode(fake_mode):
         return _recursive_joint_graph_passes(joint, skip_invoke_subgraph=True, input_device=device)
 
 
 def _step_view(job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: int, device: torch.device,
-               profile: HardwareProfile, calibration: Any) -> StepView | None:
+               profile: HardwareProfile, calibration: Any, fake_mode: Any = None) -> StepView | None:
     """A stand-in's graph as the compiler it stands in for will run it (`GraphJob.step_view`); None, with a
     warning, if that graph cannot be made: the step is then planned with the stand-in's own problem, whose
     plans the compiled variants' prediction and the measured step still hold to the budget (more recomputed
     than needed where the compiler's graph holds less). `joint`: a copy of the stand-in's joint graph, which
-    the compiler's passes change."""
+    the compiler's passes change; `fake_mode`: its compile's (None: the one its inputs' values belong to)."""
     compiler = job.options.stands_in_for
     try:
-        compiled_joint = _as_compiler_traces(joint, compiler, device)
+        compiled_joint = _as_compiler_traces(joint, compiler, device, fake_mode)
         costs_there = job.ctx.analyses.get(op_cost, compiled_joint).per_node
         view = _PlanningView.of(job, compiled_joint, num_fwd_outputs, compiler, profile, costs_there, calibration)
     except Exception as error:  # noqa: BLE001 - planning goes on with the stand-in's own graph, said so
@@ -262,13 +265,21 @@ def plan_memory_budget(
         # A stand-in: the step is planned with the graph as the compiler it stands in for will run it (built
         # once, at its first use: a re-plan traces the same joint graph), from a copy of this joint graph
         # (the partition changes the graph it is given).
+        # Built later under this compile's size hints and fake mode (the first read can come inside another
+        # graph's compile). Where ranks agree on plans it is built now: its workspace table is agreed on by
+        # every rank (a collective), which only compiles reach alike on every rank.
         source = copy_graph_module(joint)
+        hints = options.size_hints
+        fake_mode = detect_fake_mode([n.meta.get("val") for n in joint.graph.find_nodes(op="placeholder")])
 
         def build() -> StepView | None:
-            with ctx.instrumented("plan", "step_view"):
-                return _step_view(job, source, num_fwd_outputs, device, profile, calibration)
+            with ctx.instrumented("plan", "step_view"), size_hints(hints):
+                return _step_view(job, source, num_fwd_outputs, device, profile, calibration, fake_mode)
 
-        job.defer_step_view(build)
+        if job.agreeing_ranks:
+            job.step_view = build()
+        else:
+            job.defer_step_view(build)
     with ctx.instrumented("plan", "candidates"):
         job.measured_excess, job.carried_excess = {}, 0
         job.record.fusions_refused = 0

@@ -299,7 +299,7 @@ def test_a_stand_in_whose_view_cannot_be_built_says_so_and_its_step_holds_the_bu
     is planned with the stand-in's own (eager) graph, which holds more: the budget still holds."""
     import dpcs_compiler.stages.memory_plan as memory_plan
 
-    def refuse(joint, compiler, device):
+    def refuse(joint, compiler, device, fake_mode=None):
         raise RuntimeError("no joint passes here")
 
     monkeypatch.setattr(memory_plan, "_as_compiler_traces", refuse)

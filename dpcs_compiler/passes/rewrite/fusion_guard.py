@@ -59,14 +59,16 @@ class PlannedFusionChoices(InductorChoices):
     """Inductor's default heuristics, less horizontal fusions across allocations and, with
     `keep_producers_apart`, producer/consumer fusions past a reader of the producer (see module docstring)."""
 
-    def __init__(self, keep_producers_apart: bool = False) -> None:
+    def __init__(self, keep_producers_apart: bool = False, count_refusable: bool = False) -> None:
         super().__init__()
         self._allocations: dict[int, list[int]] = {}  # id(scheduler) -> bytes allocated per pre-fusion order
         self.keep_producers_apart = keep_producers_apart
         self.refused = 0
         self.refused_vertical = 0
-        # Without `keep_producers_apart`: the producer/consumer fusions it would have refused. None of them means
-        # the rule changes nothing here: with it, Inductor would be asked the same and answer alike throughout.
+        # Without `keep_producers_apart`, with `count_refusable`: the producer/consumer fusions the rule would
+        # have refused. None of them means the rule changes nothing here: with it, Inductor would be asked the
+        # same and answer alike throughout.
+        self.count_refusable = count_refusable
         self.would_refuse_vertical = 0
 
     def _bytes_by_order(self, scheduler) -> list[int]:
@@ -93,6 +95,8 @@ class PlannedFusionChoices(InductorChoices):
     def can_fuse_vertical(self, scheduler, node1, node2, shared_data_score: int) -> bool:
         if not super().can_fuse_vertical(scheduler, node1, node2, shared_data_score):
             return False
+        if not (self.keep_producers_apart or self.count_refusable):
+            return True
         early, late = (node1, node2) if node1.min_order <= node2.min_order else (node2, node1)
         if late.min_order <= early.max_order + 1:
             return True
@@ -122,8 +126,9 @@ class PlannedFusionChoices(InductorChoices):
 
 
 @contextlib.contextmanager
-def planned_fusion_choices(keep_producers_apart: bool = False) -> Iterator[PlannedFusionChoices]:
+def planned_fusion_choices(keep_producers_apart: bool = False, count_refusable: bool = False
+                           ) -> Iterator[PlannedFusionChoices]:
     """Within the block, Inductor's scheduler uses `PlannedFusionChoices` on this thread."""
-    choices = PlannedFusionChoices(keep_producers_apart)
+    choices = PlannedFusionChoices(keep_producers_apart, count_refusable)
     with V.set_choices_handler(choices):
         yield choices

@@ -95,7 +95,7 @@ def test_guard_keeps_a_producer_read_early_apart_from_its_later_consumer():
         compiled = torch.compile(producer_read_early, backend="inductor", dynamic=False)
         with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True):
             # Off (the default), the rule leaves producer/consumer fusions to Inductor.
-            with planned_fusion_choices(keep_producers_apart=guarded) as guard:
+            with planned_fusion_choices(keep_producers_apart=guarded, count_refusable=True) as guard:
                 outputs, (code,) = run_and_get_code(compiled, *inputs)
             _, peak = measure_peak_memory(compiled, *inputs)
         torch.testing.assert_close(outputs, producer_read_early(*inputs), **TOLERANCE)
