@@ -53,7 +53,8 @@ def inductors_fusions():
 def producers_always_apart():
     """While compiling: the guard's producer/consumer rule on for every planned graph."""
     init = fusion_guard.PlannedFusionChoices.__init__
-    fusion_guard.PlannedFusionChoices.__init__ = lambda self, keep_producers_apart=False: init(self, True)
+    fusion_guard.PlannedFusionChoices.__init__ = (
+        lambda self, keep_producers_apart=False, count_refusable=False: init(self, True, count_refusable))
     try:
         yield
     finally:
