@@ -223,14 +223,17 @@ class PartCompiler:
         peaks: dict[tuple[str, bool], int | None] = {}
         last_order = list(orders)[-1]
 
-        def choose(name: str, apart: bool) -> None:
-            job.record.backward_order = name
-            job.record.backward_fusion = "producers apart" if apart else "inductor"
+        def note_scheduled() -> None:
             job.record.backward_order_scheduled = {
                 order + (", producers apart" if rule else ""): peak for (order, rule), peak in peaks.items()
             }
             log.info("%s: backward scheduled above its start: %s", job.record.graph,
                      job.record.backward_order_scheduled)
+
+        def choose(name: str, apart: bool) -> None:
+            job.record.backward_order = name
+            job.record.backward_fusion = "producers apart" if apart else "inductor"
+            note_scheduled()
 
         for name, graph in orders.items():
             for apart in (False, True):
@@ -254,19 +257,15 @@ class PartCompiler:
                     return False
 
                 compiled = self._candidate(graph, example_inputs, gate, *args, producers_apart=apart, **kwargs)
-                if compiled is not None:
+                if compiled is not None and read:  # it went on past its schedule: the chosen one
                     return graph, compiled
                 if not read:  # its schedule was not read: the plan compiles as it is
                     peaks[(name, apart)] = None
                     break
                 if not apart and not read[0]:  # the rule would refuse nothing: it schedules the same
                     break
-        if None in peaks.values():
-            job.record.backward_order_scheduled = {
-                name + (", producers apart" if apart else ""): peak for (name, apart), peak in peaks.items()
-            }
-            log.info("%s: backward scheduled above its start: %s (not all read: compiled as it is)",
-                     job.record.graph, job.record.backward_order_scheduled)
+        if None in peaks.values():  # a schedule not read: the plan compiles as it is
+            note_scheduled()
             return gm, None
         name, apart = min(peaks, key=peaks.__getitem__)  # the first of the lowest
         choose(name, apart)
@@ -276,26 +275,18 @@ class PartCompiler:
                    *args: Any, producers_apart: bool = False, **kwargs: Any) -> Any:
         """One candidate backward (a copy of `gm`) compiled up to Inductor's schedule, where `gate` decides:
         the compiled graph if it let the compile go on, None if it stopped it. A compile whose schedule is not
-        read (no kernels) is not used (None, `gate` not called)."""
+        read (no kernels) returns without asking `gate`; its caller does not use it."""
         from torch._inductor.exc import InductorError
 
-        trial = copy_graph_module(gm)
-        asked: list[bool] = []
-
-        def asked_gate(peak: ScheduledPeak, guard: Any) -> bool:
-            asked.append(gate(peak, guard))
-            return asked[-1]
-
         try:
-            compiled = self.compile_planned("backward", trial, example_inputs, *args, producers_apart=producers_apart,
-                                            gate=asked_gate, **kwargs)
+            return self.compile_planned("backward", copy_graph_module(gm), example_inputs, *args,
+                                        producers_apart=producers_apart, gate=gate, **kwargs)
         except InductorError as error:
             if isinstance(error.inner_exception, _Scheduled):
                 return None
             raise
         except _Scheduled:
             return None
-        return compiled if asked and asked[-1] else None
 
     def check_schedule(self, kind: str, scheduled: ScheduledPeak) -> None:
         """Hold Inductor's schedule of a planned graph to the budget (`GraphJob.hold_to_budget`).
