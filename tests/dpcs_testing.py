@@ -64,6 +64,22 @@ def measured_step(w, compiler: str, **options):
     return result, record
 
 
+def assert_gradients_match_eager(w, **options) -> None:
+    """One step of `w` compiled through dpcs with `options` (strict) gives eager's gradients."""
+    import copy
+
+    eager = copy.deepcopy(w.model)
+    torch._dynamo.reset()
+    compiled = dpcs_compile(w.model, **options)
+    for model, fn in ((w.model, compiled), (eager, eager)):
+        model.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            w.loss_fn(fn(*w.inputs)).backward()
+    for (name, p), q in zip(w.model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
 def reachable_range(w, compiler: str, **options) -> tuple[int, int]:
     """(smallest peak any plan reaches, peak of the plan that saves everything), as predicted (dpcs plans at
     a budget nothing presses: `keep_torch_plan=False`)."""

@@ -61,6 +61,32 @@ def lowering_as_planned(torchs: bool, producers_apart: bool = False, count_refus
         yield guard
 
 
+@contextlib.contextmanager
+def without_unused_repro_copy() -> Iterator[bool]:
+    """Inductor's compile_fx_inner wraps its compile in the minifier's `wrap_compiler_debug`, which first
+    deep-copies the graph (measured: 0.7-0.9 s for HF GPT-2's 12-layer backward) for a repro it writes only
+    with `torch._dynamo.config.repro_after="aot"`; otherwise the wrapper returns the compiled graph as it is,
+    and the copy is never read. dpcs lowers a planned backward up to five times (its candidates,
+    `PartCompiler.lowest_scheduled_backward`): without repro_after="aot" its compiles skip that wrapper.
+    Yields whether it is skipped (with "aot", or a torch without the wrapper there, it is kept)."""
+    from torch._dynamo import config as dynamo_config
+    from torch._inductor import compile_fx as compile_fx_module
+
+    if dynamo_config.repro_after == "aot" or not hasattr(compile_fx_module, "wrap_compiler_debug"):
+        yield False
+        return
+    wrapper = compile_fx_module.wrap_compiler_debug
+    compile_fx_module.wrap_compiler_debug = _unwrapped
+    try:
+        yield True
+    finally:
+        compile_fx_module.wrap_compiler_debug = wrapper
+
+
+def _unwrapped(compiler_fn: Callable, compiler_name: str) -> Callable:
+    return compiler_fn
+
+
 class PartCompiler:
     """The forward / backward / inference stage: rewrites, then the final compiler."""
 
@@ -166,6 +192,7 @@ class PartCompiler:
                 probe = stack.enter_context(probe_scheduled_peak(
                     resident=resident, present=present, check=check, workspace=self.job.kernel_workspace,
                 ))
+            stack.enter_context(without_unused_repro_copy())
             compiled = compile_fx_inner(gm, example_inputs, *args, **kwargs)
         if gate is not None and (probe is None or probe.checked is None):
             return compiled  # not asked: a candidate the caller does not use (`_candidate`)

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dpcs_testing import COMPILERS, backward_lowerings, dpcs_compile, lowerings_expected, measured_step, reachable_range
+from dpcs_testing import COMPILERS, assert_gradients_match_eager, backward_lowerings, dpcs_compile, lowerings_expected, measured_step, reachable_range
 from dpcs_compiler import clear_compile_records, compile_records
 from dpcs_compiler.cost.budget import WORKSPACE_FRACTION, planning_target
 from dpcs_compiler.models import BlockMLP, ConvNet, GPTConfig, MiniGPT, ResConvNet, Workload, bench_workload, workload
@@ -211,24 +211,14 @@ def test_inductor_lowest_plan_whose_fusion_rule_changes_nothing_lowers_its_backw
     candidate is scheduled (autograd's order, Inductor's fusions) and, the lowest, compiled as it was: one
     lowering of the backward, where scheduling it apart and compiling it after took two. Its gradients are
     eager's and its measured peak is the prediction."""
-    import copy
-
     w = workload("mlp", 8)
-    eager = copy.deepcopy(w.model)
     with backward_lowerings(monkeypatch) as lowerings:
         result, record = measured_step(w, "inductor", memory_budget=1, on_infeasible="best")
     assert record.plan_feasible is False and list(record.backward_order_scheduled) == ["autograd"], record
     assert lowerings[0] == lowerings_expected(record) == 1, (lowerings, record.backward_order_scheduled)
     assert abs(record.predicted_peak_bytes - result.measured_peak_bytes) <= 0.01 * result.measured_peak_bytes, (
         result, record)
-    compiled = dpcs_compile(w.model, "inductor", memory_budget=1, on_infeasible="best")
-    for model, fn in ((w.model, compiled), (eager, eager)):
-        model.zero_grad(set_to_none=True)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            w.loss_fn(fn(*w.inputs)).backward()
-    for (name, p), q in zip(w.model.named_parameters(), eager.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+    assert_gradients_match_eager(w, compiler="inductor", memory_budget=1, on_infeasible="best")
 
 
 def inflate(monkeypatch, kind: str, extra: int) -> None:

@@ -1,0 +1,51 @@
+"""The final stage's compile of planned graphs (`stages/compile_parts.py`): what it skips of Inductor's
+compile and what it keeps."""
+
+from __future__ import annotations
+
+import torch
+import torch._inductor.compile_fx as compile_fx
+
+from dpcs_testing import assert_gradients_match_eager, backward_lowerings, measured_step
+from dpcs_compiler.models import workload
+from dpcs_compiler.stages.compile_parts import without_unused_repro_copy
+
+
+def test_the_minifiers_copy_is_skipped_only_where_it_would_not_be_read():
+    real = compile_fx.wrap_compiler_debug
+
+    def fn(gm, example_inputs, **kwargs):
+        return gm
+
+    with without_unused_repro_copy() as skipped:
+        assert skipped and compile_fx.wrap_compiler_debug(fn, compiler_name="inductor") is fn
+    assert compile_fx.wrap_compiler_debug is real
+    with torch._dynamo.config.patch(repro_after="aot"), without_unused_repro_copy() as skipped:
+        # The minifier writes its repro from that copy: the wrapper stays.
+        assert not skipped and compile_fx.wrap_compiler_debug is real
+        assert compile_fx.wrap_compiler_debug(fn, compiler_name="inductor") is not fn
+    assert compile_fx.wrap_compiler_debug is real
+
+
+def test_planned_inductor_compiles_skip_the_minifiers_copy_and_match_eager(monkeypatch):
+    """The MLP's lowest plan under Inductor: its forward and its backward (and the candidate backwards
+    scheduled) compile without the minifier's wrapper, which deep-copies each graph; with
+    repro_after="aot" every one of them goes through it. The gradients are eager's either way."""
+    calls = []
+    real = compile_fx.wrap_compiler_debug
+
+    def counted(compiler_fn, compiler_name):
+        calls.append(compiler_name)
+        return real(compiler_fn, compiler_name)
+
+    monkeypatch.setattr(compile_fx, "wrap_compiler_debug", counted)
+    w = workload("mlp", 8)
+    with backward_lowerings(monkeypatch) as lowerings:
+        _, record = measured_step(w, "inductor", memory_budget=1, on_infeasible="best")
+    assert record.plan_feasible is False and lowerings[0] >= 1, record  # its backward was planned and lowered
+    assert calls == [], calls
+    with torch._dynamo.config.patch(repro_after="aot"), backward_lowerings(monkeypatch) as lowerings:
+        measured_step(w, "inductor", memory_budget=1, on_infeasible="best")
+    assert len(calls) == lowerings[0] + 1, (calls, lowerings)  # every backward lowered, and the forward
+
+    assert_gradients_match_eager(w, compiler="inductor", memory_budget=1, on_infeasible="best")
