@@ -174,6 +174,9 @@ class StepRecord:
     # the step is measured (None until then): a compile may decide otherwise than the plan it was given, where the
     # plan was made on a first variant's problem that ran uncompiled (`StepRecorder._predict_as_compiled`).
     compiled_peak_bytes: int | None = None
+    # No pressure: the graphs were offered torch's own partitions (`StepContext.torch_plan`; each graph's
+    # `CompileRecord.solver` says whether it kept its own).
+    torch_plans: bool = False
 
     def split(self) -> dict[str, int]:
         """The predicted peak in parts: parameters, optimizer state, other memory alive through the step

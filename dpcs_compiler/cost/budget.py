@@ -28,12 +28,13 @@ def planning_target(budget_bytes: int) -> int:
 RUNTIME_ALLOWANCE_BYTES = 256
 
 
-def torch_plan_limit(budget_bytes: int) -> int:
+def torch_plan_limit(budget_bytes: int, other_calls: int = 0) -> int:
     """What torch's own partition is held to when dpcs keeps it (no pressure): the budget, its predicted peak
     counted without the planner's allowances. The workspace and runtime allowances are margins for plans dpcs
     makes; torch's plan measured without a budget already includes its kernels' workspace and the runtime's
-    bytes, so a budget at that measured peak must get that plan."""
-    return budget_bytes + RUNTIME_ALLOWANCE_BYTES
+    bytes, so a budget at that measured peak must get that plan. In a step, the prediction counts the runtime
+    allowance of each of the step's `other_calls` too (what they hold around it)."""
+    return budget_bytes + RUNTIME_ALLOWANCE_BYTES * (1 + other_calls)
 
 
 @dataclasses.dataclass(frozen=True)

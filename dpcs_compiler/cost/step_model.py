@@ -35,12 +35,19 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence, Set
 
 import numpy as np
 
+from dpcs_compiler.cost.budget import RUNTIME_ALLOWANCE_BYTES
 from dpcs_compiler.cost.memory_model import OFFLOAD, RECOMPUTE, SAVE, MemoryProblem, plan_memory
 
 LEVEL_GRID = 8  # the shared level is tried at 0, 1/8, ..., 1
 TARGET_PROBES = 8  # bisection steps on the target for the smallest step peak, when no plan fits
 LOWEST_GRID = 4  # and the coarser grid of levels tried at each
 LEVEL_PROBES = 6  # then bisected between the highest feasible grid level and the next (1/512 of each range)
+# No pressure: under Inductor, torch's own partitions are offered for a step whose plans saving everything peak
+# at most this fraction over the budget by the FX-order model (`plan_step`'s `torch_limit`), and each graph
+# tries its own within it (`stages/memory_plan.py`), Inductor's schedule deciding. Inductor reorders each
+# backward below the FX order: on the bench's graph-break net (3 graphs) torch's plans model 91,258,628 B for
+# a step Inductor runs in 87,063,560 B (4.8% lower).
+STEP_TORCH_TRY_FRACTION = 0.06
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,16 +65,26 @@ class StepContext:
     # Candidates (by name) its plans may not recompute: their recomputation would read an input or output the
     # step frees before this graph's backward (`backward_freed` counts it freed).
     keep_saved: tuple[str, ...] = ()
+    # No pressure: the step fits, by the model or within `STEP_TORCH_TRY_FRACTION` of it, with every graph's
+    # plans saving everything (`plan_step`): the graph keeps torch's own partition if it fits in this context,
+    # Inductor's schedule deciding (`stages/memory_plan.py`, `_torch_solution`); else dpcs plans it.
+    torch_plan: bool = False
+    # With `torch_plan`: the step's other graph calls around this one, each counted in the context with its
+    # runtime allowance, which torch's partition, measured with them, is not held to (`torch_plan_limit`).
+    other_calls: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.keep_saved, (str, bytes)) or not all(isinstance(n, str) for n in self.keep_saved):
             raise ValueError(f"StepContext.keep_saved={self.keep_saved!r} is not valid; valid choices: candidate "
                              "names, as a sequence of str")
         object.__setattr__(self, "keep_saved", tuple(self.keep_saved))
-        for name in ("forward_bytes", "backward_bytes", "backward_freed"):
+        for name in ("forward_bytes", "backward_bytes", "backward_freed", "other_calls"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"StepContext.{name}={value!r} is not valid; valid choices: bytes as an int >= 0")
+        for name in ("hold_least", "torch_plan"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"StepContext.{name}={getattr(self, name)!r} is not valid; valid choices: True, False")
         for name in ("boundary_cap", "target"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
@@ -93,7 +110,7 @@ class StepContext:
         raise ValueError(
             f"dpcs option 'step_context'={value!r} is not valid; valid choices: None, or a dict with keys "
             "'forward_bytes', 'backward_bytes', 'boundary_cap', 'target', 'hold_least', 'backward_freed', "
-            "'keep_saved' (set by dpcs's step planner)"
+            "'keep_saved', 'torch_plan', 'other_calls' (set by dpcs's step planner)"
         )
 
 
@@ -493,6 +510,9 @@ class StepPlan:
     level: float | None
     solves: int
     alone: bool = False  # one call of one graph, nothing around it: the step is that graph's own plan
+    # Torch's own partitions offered (`StepContext.torch_plan`): decisions and levels are those saving
+    # everything, the most each graph's own partition can keep for its backward (its compile decides).
+    torch_plans: bool = False
 
     def holds_most(self, graphs: Mapping[str, GraphStep]) -> str:
         """The graph that holds the most for its backward while the others run."""
@@ -510,6 +530,7 @@ def plan_step(
     settled: bool = True,
     find_lowest: bool = True,
     final: Solver | None = None,
+    torch_limit: int | None = None,
 ) -> StepPlan:
     """Contexts under which every graph of the step has a plan and the step's peak fits, in every step shape
     seen (a data-dependent branch can make steps of different graphs).
@@ -523,6 +544,13 @@ def plan_step(
 
     `final`: the solver each graph's compile will use, when the search used a cheaper one (`solve.fits`): the
     plan found is solved again with it in each graph's context, so its levels and peak are what compiles.
+
+    `torch_limit` (None: not offered): no cost at no pressure. Where the plans that save everything peak
+    within `torch_limit` bytes (what torch's partition of one graph is held to; the runtime allowance of each
+    other call of the step added, `cost.budget.torch_plan_limit`), each graph is given the contexts of those
+    plans (what every graph can keep for its backward at most, as torch's partition keeps no more), marked
+    `torch_plan`: its compile keeps torch's own partition where it fits there (`torch_plans`; the level
+    search is not run).
     """
     missing = {k for shape in shapes for k in shape.instances if k not in graphs}
     if missing or not shapes:
@@ -534,6 +562,16 @@ def plan_step(
                 for s in shapes) and len(graphs) == 1
     if peak.bytes <= target and settled or alone:
         return StepPlan(dict.fromkeys(graphs), dict(current), levels, peak, peak.bytes <= target, None, 0, alone)
+    if torch_limit is not None:
+        saved = {k: GraphLevels.of(g.problem, g.problem.all_saved()) for k, g in graphs.items()}
+        saved_peak = step_peak(shapes, graphs, saved)
+        others = {k: max(len(s.instances) - 1 for s in shapes if k in s.instances) for k in graphs}
+        if saved_peak.bytes <= torch_limit + others[saved_peak.graph] * RUNTIME_ALLOWANCE_BYTES:
+            held = {k: graphs[k].held(saved[k].boundary) for k in graphs}
+            contexts = {k: dataclasses.replace(c, torch_plan=True, other_calls=others[k])
+                        for k, c in contexts_for(shapes, graphs, held).items()}
+            return StepPlan(dict(contexts), {k: g.problem.all_saved() for k, g in graphs.items()}, saved, saved_peak,
+                            True, 1.0, 0, torch_plans=True)
     search = _LevelSearch(shapes, graphs, solver)
     found = search.at(target)
     if found is not None:

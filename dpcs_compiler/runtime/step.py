@@ -53,6 +53,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from dpcs_compiler import rank_agreement
 from dpcs_compiler.cost.step_model import (
     OPTIMIZER,
+    STEP_TORCH_TRY_FRACTION,
     TURN,
     GraphLevels,
     GraphStep,
@@ -72,6 +73,7 @@ from dpcs_compiler.passes.analysis.planning import Freeable, StepSharing
 from dpcs_compiler.measure import BEFORE_PROFILING, CpuMemoryProfile, optimizer_state_bytes
 from dpcs_compiler.files import write_text_atomic
 from dpcs_compiler.report import _ON_CLEAR, STEPS_FILE, StepRecord, add_step_record, compile_count
+from dpcs_compiler.cost.budget import torch_plan_limit
 from dpcs_compiler.cost.memory_model import MemoryProblem, plan_seconds
 from dpcs_compiler.cost.model_state import (
     StateLever,
@@ -222,6 +224,10 @@ class StepRecorder:
         self.predicted_state_bytes = 0  # the optimizers' state that prediction counts
         self.as_planned: _AsPlanned | None = None  # what the prediction was made from (`_predict_as_compiled`)
         self.replan_as_compiled = False  # the plan under way follows compiled variants over their budget
+        # No cost at no pressure (`plan_step`'s `torch_limit`): whether the plan measured next keeps torch's own
+        # partitions, and whether a step that kept them was measured over its prediction (not offered again).
+        self.torch_planned = False
+        self.torch_refused = False
         self.measuring = False  # this step is measured (every rank alike; `meter` None where it cannot be)
         self.due: tuple[_Meter | None, tuple | None] | None = None  # a measured step waiting to be read
         self.outside_measured: dict[tuple, int] = {}
@@ -422,7 +428,7 @@ class StepRecorder:
             return True
         log.info("dpcs: the compiled variants predict %s B (outside the turn, at it, at the end), the plan %s B",
                  compiled, self.predicted)
-        fitted = planned.budget is not None and self.predicted_peak <= planned.budget
+        fitted = planned.budget is not None and (self.predicted_peak <= planned.budget or self.torch_planned)
         self.predicted, self.predicted_peak = compiled, peak
         over = fitted and peak > planned.budget and not planned.after_mismatch
         if self._ranks_agree():  # planning takes collectives: every rank decides alike
@@ -430,6 +436,7 @@ class StepRecorder:
         if over:
             log.info("dpcs: the compiled variants predict %d B, over the budget of %d B; planned again",
                      peak, planned.budget)
+            self.torch_refused = self.torch_refused or self.torch_planned
             self.to_plan = self.replan_as_compiled = True
             self.quiet = 0  # not stable: the plan is due
             return False
@@ -654,6 +661,8 @@ class StepRecorder:
             outside, predicted_graphs, turn, predicted_turn, end, predicted_end, "; planned again" if replan else "",
         )
         if replan:
+            if self.torch_planned:  # torch's partitions held more than their compiles read: dpcs plans from now on
+                self.torch_refused = True
             self.corrections[key] = self.corrections.get(key, 0) + 1
             self.quiet = 0
             self.to_plan = True
@@ -745,6 +754,7 @@ class StepRecorder:
 
     def _plan(self) -> StepRecord | None:
         self.to_plan = False
+        self.torch_planned = False
         self.as_planned = None
         after_mismatch, self.replan_as_compiled = self.replan_as_compiled, False
         candidates: list[tuple[tuple, StepShape, list[GraphDispatcher]]] = []
@@ -778,9 +788,12 @@ class StepRecorder:
 
         optimizers = list(self.optimizers)
 
+        torch_try = None if after_mismatch or self.torch_refused else _torch_try(dispatchers.values())
+
         def decide() -> tuple[StepRecord | None, str | None, list[StepShape] | None]:
             with paused_collector():  # as in a graph's passes (`heap`)
-                return self._decide(shapes, dispatchers, optimizers, self.blocks, [self._transients(k) for k in planned])
+                return self._decide(shapes, dispatchers, optimizers, self.blocks, [self._transients(k) for k in planned],
+                                    torch_try)
 
         record, message, counted = rank_agreement.from_rank_zero(decide, "step plan") if agreeing else decide()
         self.plans += 1
@@ -805,6 +818,7 @@ class StepRecorder:
                 self.as_planned = _AsPlanned(shapes, {only.name: weakref.ref(only)}, None)
             return None
         add_step_record(record)
+        self.torch_planned = record.torch_plans
         chosen = record.optimizer_state or {}
         if chosen.get("chosen"):  # every rank its own optimizers and blocks, as rank 0's plan says
             if chosen["format"] is not None:
@@ -850,6 +864,7 @@ class StepRecorder:
                 optimizers: Sequence[torch.optim.Optimizer] = (),
                 blocks: dict[tuple[int, int], _Block] | None = None,
                 transients: Sequence[dict[tuple, int]] | None = None,
+                torch_try: float | None = None,
                 ) -> tuple[StepRecord | None, str | None, list[StepShape] | None]:
         """The step plan as a record, the error message when no plan fits (None when it does), and the shapes
         as planned (the model state's choice counted in; None without a record)."""
@@ -868,12 +883,15 @@ class StepRecorder:
             graphs[name], current[name] = step_graph
         settled = not any(d.bucket in d.provisional for d in dispatchers.values())
         profile = _planning_profile(dispatchers.values())
+        budget = min(int(d.current_budget_bytes or 0) for d in dispatchers.values()) or None
+        torch_limit = (int(torch_plan_limit(budget) * (1 + torch_try))
+                       if torch_try is not None and budget is not None else None)
         shapes, plan, state = _plan_with_model_state(shapes, graphs, current, settled, optimizers, blocks or {},
                                                      _host_link(profile), transients,
-                                                     profile.memory_bandwidth if profile is not None else None)
+                                                     profile.memory_bandwidth if profile is not None else None,
+                                                     torch_limit)
         if plan.alone:
             return None, None, None  # one graph: its own plan is the step's (its compile raised or warned already)
-        budget = min(int(d.current_budget_bytes or 0) for d in dispatchers.values()) or None
         peak = plan.peak
         peak_node = _node_name(dispatchers[peak.graph], peak.step)
         graphs_peak, turn_peak, end = predicted_levels(shapes, graphs, plan.levels)
@@ -902,6 +920,7 @@ class StepRecorder:
             optimizer_state=state,
             planning_seconds=time.perf_counter() - started,
             solves=plan.solves,
+            torch_plans=plan.torch_plans,
         )
         if plan.feasible:
             return record, None, shapes
@@ -1390,6 +1409,20 @@ def _watch_optimizers() -> None:
     _WATCHING.append(register_optimizer_step_post_hook(stepped))
 
 
+def _torch_try(dispatchers) -> float | None:
+    """How far over the budget (as torch's partition is held to it, `cost.budget.torch_plan_limit`) a step
+    may be modelled with plans saving everything for torch's own partitions to be offered (`plan_step`'s
+    `torch_limit`): under Inductor its schedule, read by each graph's compile, decides within
+    `STEP_TORCH_TRY_FRACTION`; compiled otherwise, the FX order runs, which the model predicts: they must fit
+    by it (on the graph-break net, torch's partitions measured 20 B under what they model with each graph's
+    runtime allowance). None (not offered) where a graph would not keep torch's partition anyway
+    (`keep_torch_plan=False`, or a plan in bf16, fp16 or fp8: `memory_plan.torch_plan_refusal`)."""
+    jobs = [d.current_job() for d in dispatchers]
+    if any(not d.options.keep_torch_plan for d in dispatchers) or any(j is None or j.plan.low_precision for j in jobs):
+        return None
+    return STEP_TORCH_TRY_FRACTION if all(d.options.compiler == "inductor" for d in dispatchers) else 0.0
+
+
 def _planning_profile(dispatchers) -> Any:
     """The hardware profile the step's graphs are planned with (None if no graph has one yet)."""
     for d in dispatchers:
@@ -1425,7 +1458,7 @@ def _plan_with_model_state(
     shapes: list[StepShape], graphs: dict[str, GraphStep], current: dict[str, tuple[str, ...]], settled: bool,
     optimizers: Sequence[torch.optim.Optimizer], blocks: dict[tuple[int, int], _Block],
     link_bytes_per_second: float | None, transients: Sequence[dict[tuple, int]] | None = None,
-    memory_bandwidth: float | None = None,
+    memory_bandwidth: float | None = None, torch_limit: int | None = None,
 ) -> tuple[list[StepShape], Any, dict[str, Any] | None]:
     """The step plan with the model state alive through the step (the optimizers' state; the parameters of the
     ParameterOffload blocks kept on the device), and the model-state levers dpcs chooses: how the "auto"
@@ -1447,7 +1480,8 @@ def _plan_with_model_state(
     auto = [o for o in optimizers if isinstance(o, CompressedOptimizer) and o.auto]
     if not optimizers and not candidates:
         counted = [with_offloaded(s, now) for s in shapes]
-        return counted, plan_step(counted, graphs, current, _solve, settled, final=solved_decisions), None
+        return counted, plan_step(counted, graphs, current, _solve, settled, final=solved_decisions,
+                                  torch_limit=torch_limit), None
     rates = None
     if auto or (candidates and link_bytes_per_second is not None):
         device = next((o.device() for o in optimizers if isinstance(o, CompressedOptimizer)), torch.device("cpu"))
@@ -1493,7 +1527,8 @@ def _plan_with_model_state(
                               - estimated_step_transient(table, regime_now, decoded))
             counted.append(dataclasses.replace(s, outside_bytes=s.outside_bytes + state_of[option],
                                                optimizer_bytes=optimizer))
-        plan = plan_step(counted, graphs, current, _solve, settled, find_lowest, final=solved_decisions)
+        plan = plan_step(counted, graphs, current, _solve, settled, find_lowest, final=solved_decisions,
+                         torch_limit=torch_limit)
         plans[option] = (counted, plan)
         seconds = sum(plan_seconds(graphs[k].problem, plan.decisions[k]) for k in counted[plan.peak.shape].instances)
         return StepWithState(plan.feasible, seconds, plan.peak.bytes)

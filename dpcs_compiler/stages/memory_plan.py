@@ -19,7 +19,7 @@ from dpcs_compiler.cost.hardware import HardwareProfile
 from dpcs_compiler.cost.memory_model import OFFLOAD, RECOMPUTE, SAVE, MemoryProblem, plan_memory
 from dpcs_compiler.cost.calibration import recompute_terms
 from dpcs_compiler.cost.op_time import combine_seconds, roofline_terms, transfer_seconds
-from dpcs_compiler.cost.step_model import StepContext, in_step, least_held_cap
+from dpcs_compiler.cost.step_model import STEP_TORCH_TRY_FRACTION, StepContext, in_step, least_held_cap
 from dpcs_compiler.debug.render import format_bytes
 from dpcs_compiler.passes.analysis import op_cost
 from dpcs_compiler.passes.analysis.inductor_schedule import probe_available
@@ -107,18 +107,19 @@ TORCH_PLAN_TRY_FRACTION = 0.03
 def torch_plan_refusal(job: GraphJob) -> str | None:
     """Why torch's own partition is not a plan for this graph (None: it is tried first, and kept if it fits).
 
-    It is kept only where its prediction was checked against measured peaks: for a graph planned alone (in a
-    step of several graphs the step planner counts what each graph holds between its phases by the memory
-    model of its decisions, and torch's partition can hold a little more there than the model of its saved
-    set: 1.8 KB over the step's predicted peak on the graph-break net), and in fp32 (torch's partition of a
-    bf16 graph measured 6% over its prediction under Inductor; dpcs's own plans are what the peak model was
-    checked on with low-precision casts)."""
+    It is kept only where its prediction was checked against measured peaks: for a graph planned alone; in a
+    step of several graphs, where the step planner offers it (`StepContext.torch_plan`: the step fits, or
+    nearly, with plans saving everything, and the context counts what the others keep at most; a step that
+    measures over its prediction with torch's partitions, or whose compiled variants predict it over the
+    budget, is planned by dpcs from then on, `StepRecorder.torch_refused`); and in fp32 (torch's
+    partition of a bf16 graph measured 6% over its prediction under Inductor; dpcs's own plans are what the
+    peak model was checked on with low-precision casts)."""
     if not job.options.keep_torch_plan:
         return "keep_torch_plan=False"
     if job.torch_plan_refused:
         return "Inductor's schedule of torch's partition went over the budget"
-    if job.options.step_context is not None:
-        return "the graph is planned in a step of several graphs"
+    if job.options.step_context is not None and not job.options.step_context.torch_plan:
+        return "the graph is planned in a step of several graphs that does not fit with torch's partitions"
     if job.plan.low_precision:
         return f"the graph runs in {job.plan.precision} or fp8"
     return None
@@ -135,7 +136,8 @@ def _torch_solution(
     (or to the step plan's target when no plan of the step fits it); None if it does not fit."""
     decisions, excess = kept.decisions, kept.excess
     context = context.for_decisions(problem, decisions) if context is not None else None  # made without it
-    limit = context.target if context is not None and context.target is not None else torch_plan_limit(budget)
+    limit = (context.target if context is not None and context.target is not None
+             else torch_plan_limit(budget, context.other_calls if context is not None else 0))
     # Its prediction is its partitioned graphs' own (the model of its decisions and what the graphs hold
     # beyond or below it); what Inductor's schedule holds besides is read when it is compiled.
     own = problem.with_schedule_excess(excess["forward"], excess["backward"])
@@ -146,7 +148,10 @@ def _torch_solution(
     if solution.feasible:
         return solution
     scheduled = job.options.compiler == "inductor" and probe_available()
-    if scheduled and not job.torch_plan_refused and solution.peak_bytes <= limit * (1 + TORCH_PLAN_TRY_FRACTION):
+    # In a step, its peak is this graph's own plus what the others hold: Inductor's reordering of each graph
+    # counts in the step's (`STEP_TORCH_TRY_FRACTION`).
+    fraction = TORCH_PLAN_TRY_FRACTION if context is None else STEP_TORCH_TRY_FRACTION
+    if scheduled and not job.torch_plan_refused and solution.peak_bytes <= limit * (1 + fraction):
         log.info("%s: torch's partition peaks at %d B in FX order, over %d B: tried, Inductor's schedule decides",
                  job.record.graph, solution.peak_bytes, limit)
         return dataclasses.replace(solution, feasible=True)

@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 
+from dpcs_compiler.cost.budget import RUNTIME_ALLOWANCE_BYTES
 from dpcs_compiler.cost.memory_model import RECOMPUTE, SAVE, Candidate, MemoryProblem, plan_memory
 from dpcs_compiler.cost.step_model import (
     OPTIMIZER,
@@ -220,6 +221,39 @@ def test_plan_step_splits_the_budget_so_the_whole_step_fits():
     assert step_peak(shapes, graphs, plan.levels) == plan.peak
 
 
+def test_plan_step_offers_torchs_partitions_where_plans_saving_everything_peak_within_its_limit():
+    """No cost at no pressure: a step whose plans saving everything peak within `torch_limit` (under Inductor,
+    a little over the budget: its schedule holds less than the FX order) is given their contexts, marked for
+    torch's own partitions, instead of the level search's plans that recompute."""
+    p = problem()
+    target = 230
+    graphs = {k: graph(k, p, target=target, shared=100) for k in "AB"}
+    shapes = [StepShape(("A", "B"), 0)]
+    current = {k: (RECOMPUTE, RECOMPUTE) for k in "AB"}  # first plans, made before the step was known
+    saved = step_peak(shapes, graphs, {k: GraphLevels.of(p, p.all_saved()) for k in "AB"})
+    assert saved.bytes > target  # by the model the step needs recomputation
+    offered = plan_step(shapes, graphs, current, solver, settled=False, torch_limit=saved.bytes)
+    assert offered.torch_plans and offered.feasible and offered.level == 1.0 and offered.solves == 0
+    assert offered.peak == saved and offered.decisions == {k: p.all_saved() for k in "AB"}
+    # Each graph's context counts what the others keep at most (saving everything), marked for torch's plan.
+    held = {k: graphs[k].held(boundary_level(p, p.all_saved())) for k in "AB"}
+    expected = {k: dataclasses.replace(c, torch_plan=True, other_calls=1)
+                for k, c in contexts_for(shapes, graphs, held).items()}
+    assert offered.contexts == expected and offered.contexts["B"].forward_bytes > 0
+    # The limit is one graph's: the other call's runtime allowance, which the step's peak counts, is added.
+    limit = saved.bytes - RUNTIME_ALLOWANCE_BYTES
+    assert plan_step(shapes, graphs, current, solver, settled=False, torch_limit=limit).torch_plans
+    # A byte less: not offered, and the step is planned as without the offer.
+    searched = plan_step(shapes, graphs, current, solver, settled=False, torch_limit=limit - 1)
+    assert searched == plan_step(shapes, graphs, current, solver, settled=False)
+    assert not searched.torch_plans and searched.feasible and searched.peak.bytes <= target
+    assert not any(c.torch_plan for c in searched.contexts.values())
+    # Plans that already fit the step, settled, stay as they are, offer or not.
+    kept = plan_step(shapes, {k: graph(k, p, target=10_000, shared=100) for k in "AB"}, current, solver,
+                     torch_limit=10**9)
+    assert not kept.torch_plans and kept.level is None
+
+
 def test_plan_step_reports_the_smallest_step_peak_when_nothing_fits():
     p = problem()
     graphs = {k: graph(k, p, target=150, shared=100) for k in "AB"}
@@ -239,8 +273,13 @@ def test_step_context_validates():
         StepContext(forward_bytes=-1)
     with pytest.raises(ValueError, match="boundary_cap"):
         StepContext(boundary_cap=True)
-    with pytest.raises(ValueError, match="step_context"):
+    with pytest.raises(ValueError, match="torch_plan"):
+        StepContext(torch_plan=1)
+    with pytest.raises(ValueError, match="step_context.*'torch_plan'"):
         StepContext.parse({"cap": 3})
+    assert StepContext.parse({"torch_plan": True}) == StepContext(torch_plan=True)
+    with pytest.raises(ValueError, match="other_calls"):
+        StepContext(torch_plan=True, other_calls=-1)
     assert StepContext.parse({"forward_bytes": 3}) == StepContext(forward_bytes=3)
 
 
