@@ -225,6 +225,62 @@ def test_a_planned_step_is_predicted_from_its_compiled_variants_before_it_is_mea
         STEPS.reset()
 
 
+def test_torchs_partitions_measured_or_compiled_over_their_prediction_are_not_offered_again(monkeypatch):
+    """A step offered torch's own partitions at no pressure (`plan_step`'s `torch_limit`) keeps them while
+    its compiled variants predict it within the budget; if they predict it over (the offer is made a little
+    over the budget by the FX-order model, Inductor's schedule deciding), or the step measures over its
+    prediction, dpcs plans it from then on: offered again, the same partitions would compile over again.
+    A step of dpcs's own plans corrected the same way keeps the offer open."""
+    import weakref
+
+    import dpcs_compiler.runtime.step as step
+    from dpcs_compiler.report import StepRecord
+
+    monkeypatch.setattr(step.GraphLevels, "of", staticmethod(lambda problem, decisions: problem))
+    monkeypatch.setattr(step, "predicted_levels", lambda shapes, graphs, levels: max(levels.values()))
+    monkeypatch.setattr(step, "step_peak", lambda shapes, graphs, levels: type("Peak", (), {
+        "bytes": max(max(v[:2]) for v in levels.values())})())
+
+    class Variant:
+        def __init__(self, levels):
+            self.levels = levels
+
+        def step_graph(self):
+            return type("G", (), {"problem": self.levels})(), ("saved",)
+
+    record = StepRecord(step="step_x", calls=["a", "b"], budget_bytes=10_000_000, predicted_peak_bytes=10_400_000,
+                        peak_graph="a", peak_node=None, peak_phase="backward", feasible=True, replanned=True,
+                        torch_plans=True)
+    variant = Variant((9_900_000, 7_000_000, 1))
+    key = (("a", "b"), ((), ()))
+    shape = StepShape(instances=("a", "b"), parameter_bytes=100)
+
+    def offered():  # the plan `_plan` makes of an offer: modelled 4% over the budget
+        STEPS.torch_planned = True
+        STEPS.predicted, STEPS.predicted_peak = (10_400_000, 7_000_000, 1), 10_400_000
+        STEPS.as_planned = step._AsPlanned([], {"a": weakref.ref(variant)}, 10_000_000, False, record)
+
+    STEPS.reset()
+    try:
+        offered()  # compiled, Inductor's schedule credited: within the budget, measured as it is
+        assert STEPS._predict_as_compiled() and not STEPS.to_plan and not STEPS.torch_refused
+        variant.levels = (10_100_000, 7_000_000, 1)  # compiled over the budget: dpcs plans the step
+        offered()
+        assert not STEPS._predict_as_compiled() and STEPS.to_plan and STEPS.torch_refused
+
+        STEPS.reset()
+        STEPS.predicted, STEPS.predicted_peak = (10_000_000, 8_000_000, 6_000_000), 10_000_000
+        STEPS._correct(key, shape, (11_000_000, 8_000_000, None), [])  # dpcs's own plans measured over
+        assert STEPS.to_plan and not STEPS.torch_refused
+        STEPS.reset()
+        STEPS.torch_planned = True
+        STEPS.predicted, STEPS.predicted_peak = (10_000_000, 8_000_000, 6_000_000), 10_000_000
+        STEPS._correct(key, shape, (11_000_000, 8_000_000, None), [])  # torch's partitions measured over
+        assert STEPS.to_plan and STEPS.torch_refused
+    finally:
+        STEPS.reset()
+
+
 def test_a_dumped_step_plan_says_what_its_compiled_variants_predict(tmp_path):
     """The step plan's line in dump_dir/steps.jsonl is written when the plan is made; the prediction from its
     compiled variants comes a step later and is written into that same line."""
