@@ -107,6 +107,18 @@ class MemoryProblem:
             self, base_bytes=self.base_bytes + extra, base_before_bytes=self.base_before_bytes + extra
         )
 
+    def with_schedule_credit(self, forward_bytes: int, backward_bytes: int) -> MemoryProblem:
+        """The problem with bytes (<= 0) taken off the bytes during every forward / backward step, not those
+        before a step (so not the boundary level, `cost.step_model.boundary_level`): a compiled schedule that
+        holds less than the modelled order inside a phase (Inductor's reordering) holds as much between the
+        phases. Only for predicting a compiled plan (`GraphJob.step_graph`'s `credit`), never for planning."""
+        if forward_bytes > 0 or backward_bytes > 0:
+            raise ValueError(f"a schedule credit takes bytes <= 0, not ({forward_bytes}, {backward_bytes})")
+        if forward_bytes == 0 and backward_bytes == 0:
+            return self
+        extra = np.where(np.arange(self.steps) < self.backward_start, forward_bytes, backward_bytes)
+        return dataclasses.replace(self, base_bytes=self.base_bytes + extra)
+
     def all_saved(self) -> tuple[str, ...]:
         return (SAVE,) * len(self.candidates)
 

@@ -565,8 +565,11 @@ def plan_step(
     if torch_limit is not None:
         saved = {k: GraphLevels.of(g.problem, g.problem.all_saved()) for k, g in graphs.items()}
         saved_peak = step_peak(shapes, graphs, saved)
-        others = {k: max(len(s.instances) - 1 for s in shapes if k in s.instances) for k in graphs}
-        if saved_peak.bytes <= torch_limit + others[saved_peak.graph] * RUNTIME_ALLOWANCE_BYTES:
+        # Each graph's prediction counts its own runtime allowance and, inside the graphs and at the turn, that of
+        # each other call of its step shape; a graph in several shapes is held with the fewest.
+        others = {k: min(len(s.instances) - 1 for s in shapes if k in s.instances) for k in graphs}
+        counted = len(shapes[saved_peak.shape].instances) - 1 if saved_peak.phase != OPTIMIZER else 0
+        if saved_peak.bytes <= torch_limit + counted * RUNTIME_ALLOWANCE_BYTES:
             held = {k: graphs[k].held(saved[k].boundary) for k in graphs}
             contexts = {k: dataclasses.replace(c, torch_plan=True, other_calls=others[k])
                         for k, c in contexts_for(shapes, graphs, held).items()}

@@ -413,7 +413,7 @@ class StepRecorder:
         graphs, levels = {}, {}
         for name, ref in planned.dispatchers.items():
             dispatcher = ref()
-            step_graph = dispatcher.step_graph() if dispatcher is not None else None
+            step_graph = dispatcher.step_graph(credit=self.torch_planned) if dispatcher is not None else None
             if step_graph is None:
                 return True  # gone, or no plan to read: measured against the plan's own figures
             g, decisions = step_graph
@@ -424,18 +424,23 @@ class StepRecorder:
             planned.record.compiled_peak_bytes = peak
             for at in planned.dumped:  # the dumped plan says it too
                 _dump_step_record(at[0], planned.record, at)
-        if compiled == self.predicted:
+        # Torch's partitions offered (modelled up to `STEP_TORCH_TRY_FRACTION` over the budget, each graph's compile
+        # deciding): the step is held to what torch's partitions are, with every call's runtime allowance.
+        limit = planned.budget
+        if self.torch_planned and limit is not None:
+            limit = torch_plan_limit(limit, max((len(s.instances) for s in planned.shapes), default=1) - 1)
+        if compiled == self.predicted and not self.torch_planned:
             return True
         log.info("dpcs: the compiled variants predict %s B (outside the turn, at it, at the end), the plan %s B",
                  compiled, self.predicted)
         fitted = planned.budget is not None and (self.predicted_peak <= planned.budget or self.torch_planned)
         self.predicted, self.predicted_peak = compiled, peak
-        over = fitted and peak > planned.budget and not planned.after_mismatch
+        over = fitted and peak > limit and not planned.after_mismatch
         if self._ranks_agree():  # planning takes collectives: every rank decides alike
             over = any(rank_agreement.every_rank(over))
         if over:
             log.info("dpcs: the compiled variants predict %d B, over the budget of %d B; planned again",
-                     peak, planned.budget)
+                     peak, limit)
             self.torch_refused = self.torch_refused or self.torch_planned
             self.to_plan = self.replan_as_compiled = True
             self.quiet = 0  # not stable: the plan is due
@@ -661,8 +666,8 @@ class StepRecorder:
             outside, predicted_graphs, turn, predicted_turn, end, predicted_end, "; planned again" if replan else "",
         )
         if replan:
-            if self.torch_planned:  # torch's partitions held more than their compiles read: dpcs plans from now on
-                self.torch_refused = True
+            if self.torch_planned and outside:  # torch's partitions held more than their compiles read: dpcs plans
+                self.torch_refused = True  # from now on (what eager code holds at the turn or the end is not theirs)
             self.corrections[key] = self.corrections.get(key, 0) + 1
             self.quiet = 0
             self.to_plan = True
@@ -818,7 +823,6 @@ class StepRecorder:
                 self.as_planned = _AsPlanned(shapes, {only.name: weakref.ref(only)}, None)
             return None
         add_step_record(record)
-        self.torch_planned = record.torch_plans
         chosen = record.optimizer_state or {}
         if chosen.get("chosen"):  # every rank its own optimizers and blocks, as rank 0's plan says
             if chosen["format"] is not None:
@@ -846,6 +850,8 @@ class StepRecorder:
         if record.replanned:
             for name, d in dispatchers.items():
                 d.set_step_context(StepContext.parse(record.contexts.get(name)))
+        # Whether the graphs run in contexts offered torch's partitions: this plan's, or kept from an earlier one.
+        self.torch_planned = any(d.step_context is not None and d.step_context.torch_plan for d in dispatchers.values())
         # Measure the step after the next one (the next compiles the new variants) against the prediction.
         self.verify_in, self.predicted = 1, (record.graphs_peak_bytes, record.turn_peak_bytes, record.end_bytes)
         self.predicted_peak = record.predicted_peak_bytes

@@ -403,10 +403,11 @@ class GraphDispatcher:
         """The job that compiled the current variant's training graph (None: gone, or fell back)."""
         return next((j for j in self.jobs.get(self.current_key, ()) if j is not None and j.problem is not None), None)
 
-    def step_graph(self) -> Any | None:
-        """(GraphStep, decisions) of the current variant, for the step planner; None without a memory plan."""
+    def step_graph(self, credit: bool = False) -> Any | None:
+        """(GraphStep, decisions) of the current variant, for the step planner; None without a memory plan.
+        `credit`: as its compile judged it, inside a step offered torch's partitions (`GraphJob.step_graph`)."""
         job = self.current_job()
-        return job.step_graph(held_excess=self.bucket not in self.provisional) if job is not None else None
+        return job.step_graph(held_excess=self.bucket not in self.provisional, credit=credit) if job is not None else None
 
     @property
     def reference(self) -> int | None:

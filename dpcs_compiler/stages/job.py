@@ -401,7 +401,7 @@ class GraphJob:
         """The node names of the schedule whose steps the step planner's problem counts (`step_view`)."""
         return self.step_view.node_names if self.step_view is not None else self.schedule_node_names
 
-    def step_graph(self, *, held_excess: bool = True) -> tuple[GraphStep, tuple[str, ...]] | None:
+    def step_graph(self, *, held_excess: bool = True, credit: bool = False) -> tuple[GraphStep, tuple[str, ...]] | None:
         """This training graph as the step planner sees it, with its plan's decisions; None without a plan.
         `held_excess`: with what its compiled graphs held beyond the model (False: what the planner assumed
         before compiling; what a plan unlike the next one held, such as a first plan that held least, would
@@ -414,14 +414,14 @@ class GraphJob:
             problem, sharing, decisions = view.problem, view.sharing, view.decisions(problem, decisions)
         else:
             excess = (self.held_excess if held_excess else None) or self.schedule_excess
-            # What Inductor's schedule holds below the FX model is not credited to dpcs's plans (on GPT-2 a plan
-            # made with it measured 2.1 MB over its prediction), but to torch's own partitions in a step, kept
-            # where their compiles read that they fit (`StepContext.torch_plan`): the step measured with them is
-            # checked against this prediction, and dpcs plans it from then on if it is over.
+            problem = problem.with_schedule_excess(max(0, excess["forward"]), max(0, excess["backward"]))
+            # What Inductor's schedule holds below the FX model is not planned with (on GPT-2 a plan made with
+            # it measured 2.1 MB over its prediction). `credit`: a compiled step offered torch's partitions
+            # (`StepContext.torch_plan`) is predicted with it inside each phase, as each graph's compile judged
+            # its plan (`hold_to_budget`); the step measured with them is checked against that prediction.
             offered = self.options.step_context is not None and self.options.step_context.torch_plan
-            floor = None if self.plan.torch_plan and held_excess and offered else 0
-            problem = problem.with_schedule_excess(*(v if floor is None else max(floor, v)
-                                                     for v in (excess["forward"], excess["backward"])))
+            if credit and held_excess and offered:
+                problem = problem.with_schedule_credit(min(0, excess["forward"]), min(0, excess["backward"]))
         graph = GraphStep(
             name=self.record.graph,
             problem=problem,

@@ -117,3 +117,21 @@ def test_floor_bytes_is_under_every_plan_and_reached(seed: int) -> None:
     )
     out = [RECOMPUTE if c.can_recompute else SAVE for c in plain.candidates]
     np.testing.assert_array_equal(plan_memory(plain, out).bytes_during, floor_bytes(plain))
+
+
+def test_a_schedule_credit_lowers_the_phases_not_what_is_held_between_them():
+    """A compiled schedule that holds less inside a phase (Inductor's reordering) is credited to the bytes
+    during its steps, not to those before them: the boundary level, what the graph holds while the others
+    of its step run, stays."""
+    from dpcs_compiler.cost.step_model import boundary_level
+
+    p = MemoryProblem(base_bytes=np.full(6, 100), step_seconds=np.ones(6), backward_start=3,
+                      candidates=(Candidate("a", 50, 0, 1, 4, 5, recompute_seconds=1.0),))
+    credited = p.with_schedule_credit(-10, -30)
+    np.testing.assert_array_equal(credited.base_bytes, [90, 90, 90, 70, 70, 70])
+    np.testing.assert_array_equal(credited.base_before_bytes, p.base_before_bytes)
+    assert boundary_level(credited, ("save",)) == boundary_level(p, ("save",))
+    assert plan_memory(credited, ("save",)).peak_bytes == plan_memory(p, ("save",)).peak_bytes - 10
+    assert p.with_schedule_credit(0, 0) is p
+    with pytest.raises(ValueError, match="<= 0"):
+        p.with_schedule_credit(5, 0)

@@ -282,8 +282,11 @@ def test_a_budget_at_the_steps_own_peak_keeps_torchs_partitions(step_range, comp
     assert records[-1].torch_plans and records[-1].feasible
     planned = step_variants(compile_records())
     assert len(planned) == 3 and all(r.compiler == compiler for r in planned)
-    assert [r.solver for r in planned] == [TORCH_SOLVER] * 3 and not any(r.recomputed_values for r in planned)
-    assert [r.replans for r in planned] == [0, 0, 0]
+    kept = [r.solver == TORCH_SOLVER for r in planned]
+    if compiler == "eager":  # the FX order runs: the model of torch's partitions is what runs, all three fit
+        assert all(kept) and not any(r.recomputed_values for r in planned), planned
+    else:  # Inductor's schedule of each in its context decides; one it refuses is planned by dpcs there
+        assert any(kept) and all(k or r.replans >= 1 for k, r in zip(kept, planned)), planned
     assert measured <= unplanned
     # Kept: one plan of the step, not planned again after a measured step or the compiled variants' prediction.
     assert len(step_records()) == 1, step_records()

@@ -180,7 +180,7 @@ def test_a_planned_step_is_predicted_from_its_compiled_variants_before_it_is_mea
         def __init__(self, levels):
             self.levels = levels
 
-        def step_graph(self):
+        def step_graph(self, credit=False):
             return type("G", (), {"problem": self.levels})(), ("saved",)
 
     record = StepRecord(step="step_x", calls=["a", "b"], budget_bytes=10_000_000, predicted_peak_bytes=9_000_000,
@@ -245,7 +245,7 @@ def test_torchs_partitions_measured_or_compiled_over_their_prediction_are_not_of
         def __init__(self, levels):
             self.levels = levels
 
-        def step_graph(self):
+        def step_graph(self, credit=False):
             return type("G", (), {"problem": self.levels})(), ("saved",)
 
     record = StepRecord(step="step_x", calls=["a", "b"], budget_bytes=10_000_000, predicted_peak_bytes=10_400_000,
@@ -264,6 +264,14 @@ def test_torchs_partitions_measured_or_compiled_over_their_prediction_are_not_of
     try:
         offered()  # compiled, Inductor's schedule credited: within the budget, measured as it is
         assert STEPS._predict_as_compiled() and not STEPS.to_plan and not STEPS.torch_refused
+        assert STEPS.predicted_peak == 9_900_000  # the measured step is checked against the compiled prediction
+        variant.levels = (10_000_200, 7_000_000, 1)  # over the budget by less than the runtime allowance: kept
+        offered()
+        assert STEPS._predict_as_compiled() and not STEPS.torch_refused
+        variant.levels = (10_400_000, 7_000_000, 1)  # compiled as the plan modelled it, over the budget: checked
+        offered()
+        assert not STEPS._predict_as_compiled() and STEPS.to_plan and STEPS.torch_refused
+        STEPS.reset()
         variant.levels = (10_100_000, 7_000_000, 1)  # compiled over the budget: dpcs plans the step
         offered()
         assert not STEPS._predict_as_compiled() and STEPS.to_plan and STEPS.torch_refused
@@ -271,6 +279,11 @@ def test_torchs_partitions_measured_or_compiled_over_their_prediction_are_not_of
         STEPS.reset()
         STEPS.predicted, STEPS.predicted_peak = (10_000_000, 8_000_000, 6_000_000), 10_000_000
         STEPS._correct(key, shape, (11_000_000, 8_000_000, None), [])  # dpcs's own plans measured over
+        assert STEPS.to_plan and not STEPS.torch_refused
+        STEPS.reset()
+        STEPS.torch_planned = True
+        STEPS.predicted, STEPS.predicted_peak = (10_000_000, 8_000_000, 6_000_000), 10_000_000
+        STEPS._correct(key, shape, (10_000_000, 11_000_000, None), [])  # more at the turn: eager code's, not theirs
         assert STEPS.to_plan and not STEPS.torch_refused
         STEPS.reset()
         STEPS.torch_planned = True
