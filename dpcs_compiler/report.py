@@ -175,9 +175,9 @@ class StepRecord:
     # plan was made on a first variant's problem that ran uncompiled (`StepRecorder._predict_as_compiled`).
     compiled_peak_bytes: int | None = None
     # No pressure: the graphs were offered torch's own partitions (`StepContext.torch_plan`; each graph's
-    # `CompileRecord.solver` says whether it kept its own). The predicted peak is then the FX-order model's of
-    # plans saving everything, which under Inductor may be over the budget (up to 6%; each graph's compile read
-    # Inductor's schedule, which decided): `compiled_peak_bytes` is what the compiled graphs predict.
+    # `CompileRecord.solver` says whether it kept its own). The predicted peak is then the model's of plans
+    # saving everything (the most torch's partitions keep), within the budget plus each call's runtime
+    # allowance (`cost.budget.torch_plan_limit`); `compiled_peak_bytes` is what the compiled graphs predict.
     torch_plans: bool = False
 
     def split(self) -> dict[str, int]:

@@ -42,12 +42,6 @@ LEVEL_GRID = 8  # the shared level is tried at 0, 1/8, ..., 1
 TARGET_PROBES = 8  # bisection steps on the target for the smallest step peak, when no plan fits
 LOWEST_GRID = 4  # and the coarser grid of levels tried at each
 LEVEL_PROBES = 6  # then bisected between the highest feasible grid level and the next (1/512 of each range)
-# No pressure: under Inductor, torch's own partitions are offered for a step whose plans saving everything peak
-# at most this fraction over the budget by the FX-order model (`plan_step`'s `torch_limit`), and each graph
-# tries its own within it (`stages/memory_plan.py`), Inductor's schedule deciding. Inductor reorders each
-# backward below the FX order: on the bench's graph-break net (3 graphs) torch's plans model 91,258,628 B for
-# a step Inductor runs in 87,063,560 B (4.8% lower).
-STEP_TORCH_TRY_FRACTION = 0.06
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,9 +59,9 @@ class StepContext:
     # Candidates (by name) its plans may not recompute: their recomputation would read an input or output the
     # step frees before this graph's backward (`backward_freed` counts it freed).
     keep_saved: tuple[str, ...] = ()
-    # No pressure: the step fits, by the model or within `STEP_TORCH_TRY_FRACTION` of it, with every graph's
-    # plans saving everything (`plan_step`): the graph keeps torch's own partition if it fits in this context,
-    # Inductor's schedule deciding (`stages/memory_plan.py`, `_torch_solution`); else dpcs plans it.
+    # No pressure: the step fits, by the model, with every graph's plans saving everything (`plan_step`): the
+    # graph keeps torch's own partition if it fits in this context (`stages/memory_plan.py`, `_torch_solution`);
+    # else dpcs plans it.
     torch_plan: bool = False
     # With `torch_plan`: the step's other graph calls around this one, each counted in the context with its
     # runtime allowance, which torch's partition, measured with them, is not held to (`torch_plan_limit`).

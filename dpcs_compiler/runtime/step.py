@@ -53,7 +53,6 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from dpcs_compiler import rank_agreement
 from dpcs_compiler.cost.step_model import (
     OPTIMIZER,
-    STEP_TORCH_TRY_FRACTION,
     TURN,
     GraphLevels,
     GraphStep,
@@ -424,8 +423,8 @@ class StepRecorder:
             planned.record.compiled_peak_bytes = peak
             for at in planned.dumped:  # the dumped plan says it too
                 _dump_step_record(at[0], planned.record, at)
-        # Torch's partitions offered (modelled up to `STEP_TORCH_TRY_FRACTION` over the budget, each graph's compile
-        # deciding): the step is held to what torch's partitions are, with every call's runtime allowance.
+        # Torch's partitions offered: the step is held to what torch's partitions are, with every call's runtime
+        # allowance (`cost.budget.torch_plan_limit`), and checked even as planned (their compiles may differ).
         limit = planned.budget
         if self.torch_planned and limit is not None:
             limit = torch_plan_limit(limit, max((len(s.instances) for s in planned.shapes), default=1) - 1)
@@ -793,12 +792,12 @@ class StepRecorder:
 
         optimizers = list(self.optimizers)
 
-        torch_try = None if after_mismatch or self.torch_refused else _torch_try(dispatchers.values())
+        offer_torch = not (after_mismatch or self.torch_refused) and _offers_torch(dispatchers.values())
 
         def decide() -> tuple[StepRecord | None, str | None, list[StepShape] | None]:
             with paused_collector():  # as in a graph's passes (`heap`)
                 return self._decide(shapes, dispatchers, optimizers, self.blocks, [self._transients(k) for k in planned],
-                                    torch_try)
+                                    offer_torch)
 
         record, message, counted = rank_agreement.from_rank_zero(decide, "step plan") if agreeing else decide()
         self.plans += 1
@@ -870,7 +869,7 @@ class StepRecorder:
                 optimizers: Sequence[torch.optim.Optimizer] = (),
                 blocks: dict[tuple[int, int], _Block] | None = None,
                 transients: Sequence[dict[tuple, int]] | None = None,
-                torch_try: float | None = None,
+                offer_torch: bool = False,
                 ) -> tuple[StepRecord | None, str | None, list[StepShape] | None]:
         """The step plan as a record, the error message when no plan fits (None when it does), and the shapes
         as planned (the model state's choice counted in; None without a record)."""
@@ -890,8 +889,7 @@ class StepRecorder:
         settled = not any(d.bucket in d.provisional for d in dispatchers.values())
         profile = _planning_profile(dispatchers.values())
         budget = min(int(d.current_budget_bytes or 0) for d in dispatchers.values()) or None
-        torch_limit = (int(torch_plan_limit(budget) * (1 + torch_try))
-                       if torch_try is not None and budget is not None else None)
+        torch_limit = torch_plan_limit(budget) if offer_torch and budget is not None else None
         shapes, plan, state = _plan_with_model_state(shapes, graphs, current, settled, optimizers, blocks or {},
                                                      _host_link(profile), transients,
                                                      profile.memory_bandwidth if profile is not None else None,
@@ -1415,18 +1413,15 @@ def _watch_optimizers() -> None:
     _WATCHING.append(register_optimizer_step_post_hook(stepped))
 
 
-def _torch_try(dispatchers) -> float | None:
-    """How far over the budget (as torch's partition is held to it, `cost.budget.torch_plan_limit`) a step
-    may be modelled with plans saving everything for torch's own partitions to be offered (`plan_step`'s
-    `torch_limit`): under Inductor its schedule, read by each graph's compile, decides within
-    `STEP_TORCH_TRY_FRACTION`; compiled otherwise, the FX order runs, which the model predicts: they must fit
-    by it (on the graph-break net, torch's partitions measured 20 B under what they model with each graph's
-    runtime allowance). None (not offered) where a graph would not keep torch's partition anyway
-    (`keep_torch_plan=False`, or a plan in bf16, fp16 or fp8: `memory_plan.torch_plan_refusal`)."""
+def _offers_torch(dispatchers) -> bool:
+    """Whether the step planner offers torch's own partitions (`plan_step`'s `torch_limit`): not where a graph
+    would not keep its own anyway (`keep_torch_plan=False`, or a plan in bf16, fp16 or fp8:
+    `memory_plan.torch_plan_refusal`). Offered only where the step's plans saving everything fit by the model.
+    Offered up to 6% over it under Inductor (tried on the bench's graph-break net, whose step Inductor runs
+    within the budget), a graph whose own partition Inductor's schedule put over in its context was planned by
+    dpcs in a context counting the others saving everything, which did not fit, and the step compiled again."""
     jobs = [d.current_job() for d in dispatchers]
-    if any(not d.options.keep_torch_plan for d in dispatchers) or any(j is None or j.plan.low_precision for j in jobs):
-        return None
-    return STEP_TORCH_TRY_FRACTION if all(d.options.compiler == "inductor" for d in dispatchers) else 0.0
+    return all(d.options.keep_torch_plan for d in dispatchers) and not any(j is None or j.plan.low_precision for j in jobs)
 
 
 def _planning_profile(dispatchers) -> Any:

@@ -19,7 +19,7 @@ from dpcs_compiler.cost.hardware import HardwareProfile
 from dpcs_compiler.cost.memory_model import OFFLOAD, RECOMPUTE, SAVE, MemoryProblem, plan_memory
 from dpcs_compiler.cost.calibration import recompute_terms
 from dpcs_compiler.cost.op_time import combine_seconds, roofline_terms, transfer_seconds
-from dpcs_compiler.cost.step_model import STEP_TORCH_TRY_FRACTION, StepContext, in_step, least_held_cap
+from dpcs_compiler.cost.step_model import StepContext, in_step, least_held_cap
 from dpcs_compiler.debug.render import format_bytes
 from dpcs_compiler.passes.analysis import op_cost
 from dpcs_compiler.passes.analysis.inductor_schedule import probe_available
@@ -148,10 +148,7 @@ def _torch_solution(
     if solution.feasible:
         return solution
     scheduled = job.options.compiler == "inductor" and probe_available()
-    # In a step, its peak is this graph's own plus what the others hold: Inductor's reordering of each graph
-    # counts in the step's (`STEP_TORCH_TRY_FRACTION`).
-    fraction = TORCH_PLAN_TRY_FRACTION if context is None else STEP_TORCH_TRY_FRACTION
-    if scheduled and not job.torch_plan_refused and solution.peak_bytes <= limit * (1 + fraction):
+    if scheduled and not job.torch_plan_refused and solution.peak_bytes <= limit * (1 + TORCH_PLAN_TRY_FRACTION):
         log.info("%s: torch's partition peaks at %d B in FX order, over %d B: tried, Inductor's schedule decides",
                  job.record.graph, solution.peak_bytes, limit)
         return dataclasses.replace(solution, feasible=True)
