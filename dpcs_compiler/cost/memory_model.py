@@ -102,7 +102,7 @@ class MemoryProblem:
         with it pass only positive ones, so a plan is never loosened by what another plan's schedule did."""
         if forward_bytes == 0 and backward_bytes == 0:
             return self
-        extra = np.where(np.arange(self.steps) < self.backward_start, forward_bytes, backward_bytes)
+        extra = self._per_phase(forward_bytes, backward_bytes)
         return dataclasses.replace(
             self, base_bytes=self.base_bytes + extra, base_before_bytes=self.base_before_bytes + extra
         )
@@ -116,8 +116,11 @@ class MemoryProblem:
             raise ValueError(f"a schedule credit takes bytes <= 0, not ({forward_bytes}, {backward_bytes})")
         if forward_bytes == 0 and backward_bytes == 0:
             return self
-        extra = np.where(np.arange(self.steps) < self.backward_start, forward_bytes, backward_bytes)
-        return dataclasses.replace(self, base_bytes=self.base_bytes + extra)
+        return dataclasses.replace(self, base_bytes=self.base_bytes + self._per_phase(forward_bytes, backward_bytes))
+
+    def _per_phase(self, forward_bytes: int, backward_bytes: int) -> np.ndarray:
+        """`forward_bytes` at each forward step, `backward_bytes` at each backward step."""
+        return np.where(np.arange(self.steps) < self.backward_start, forward_bytes, backward_bytes)
 
     def all_saved(self) -> tuple[str, ...]:
         return (SAVE,) * len(self.candidates)

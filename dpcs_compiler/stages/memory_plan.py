@@ -108,10 +108,10 @@ def torch_plan_refusal(job: GraphJob) -> str | None:
     """Why torch's own partition is not a plan for this graph (None: it is tried first, and kept if it fits).
 
     It is kept only where its prediction was checked against measured peaks: for a graph planned alone; in a
-    step of several graphs, where the step planner offers it (`StepContext.torch_plan`: the step fits, or
-    nearly, with plans saving everything, and the context counts what the others keep at most; a step that
-    measures over its prediction with torch's partitions, or whose compiled variants predict it over the
-    budget, is planned by dpcs from then on, `StepRecorder.torch_refused`); and in fp32 (torch's
+    step of several graphs, where the step planner offers it (`StepContext.torch_plan`: the step fits by the
+    model with plans saving everything, and the context counts what the others keep at most; a step that
+    measures over its prediction inside its graphs with torch's partitions, or whose compiled variants
+    predict it over the budget, is planned by dpcs from then on, `StepRecorder.torch_refused`); and in fp32 (torch's
     partition of a bf16 graph measured 6% over its prediction under Inductor; dpcs's own plans are what the
     peak model was checked on with low-precision casts)."""
     if not job.options.keep_torch_plan:

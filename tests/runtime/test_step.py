@@ -160,16 +160,11 @@ def test_two_steps_of_one_shape_count_per_call_the_one_that_freed_less_with_what
     assert _covering(a, unseen).call_backward_freed == ()
 
 
-def test_a_planned_step_is_predicted_from_its_compiled_variants_before_it_is_measured(monkeypatch, tmp_path):
-    """A plan made on a first variant that ran uncompiled may be compiled otherwise (on HF GPT-2 under Inductor,
-    a 3 MiB value saved that the plan recomputed): the step is checked against what the compiled variants
-    predict, not the plan's figures, so the difference is not counted at the turn as eager code's. Compiled
-    over the budget a plan fitted, the step is planned again instead of measured, once. The graphs' problems
-    are stood in for: each variant's (problem, decisions) reads as its predicted levels."""
-    import weakref
-
+def compiled_variants_standing_in(monkeypatch):
+    """The step model read through stand-ins: a compiled variant's (problem, decisions) is its predicted levels
+    (inside the graphs, at the turn, at the end), and the step's peak the largest of the first two. Returns the
+    stand-in variant class (its `levels` settable)."""
     import dpcs_compiler.runtime.step as step
-    from dpcs_compiler.report import StepRecord
 
     monkeypatch.setattr(step.GraphLevels, "of", staticmethod(lambda problem, decisions: problem))
     monkeypatch.setattr(step, "predicted_levels", lambda shapes, graphs, levels: max(levels.values()))
@@ -182,6 +177,22 @@ def test_a_planned_step_is_predicted_from_its_compiled_variants_before_it_is_mea
 
         def step_graph(self, credit=False):
             return type("G", (), {"problem": self.levels})(), ("saved",)
+
+    return Variant
+
+
+def test_a_planned_step_is_predicted_from_its_compiled_variants_before_it_is_measured(monkeypatch, tmp_path):
+    """A plan made on a first variant that ran uncompiled may be compiled otherwise (on HF GPT-2 under Inductor,
+    a 3 MiB value saved that the plan recomputed): the step is checked against what the compiled variants
+    predict, not the plan's figures, so the difference is not counted at the turn as eager code's. Compiled
+    over the budget a plan fitted, the step is planned again instead of measured, once. The graphs' problems
+    are stood in for: each variant's (problem, decisions) reads as its predicted levels."""
+    import weakref
+
+    import dpcs_compiler.runtime.step as step
+    from dpcs_compiler.report import StepRecord
+
+    Variant = compiled_variants_standing_in(monkeypatch)
 
     record = StepRecord(step="step_x", calls=["a", "b"], budget_bytes=10_000_000, predicted_peak_bytes=9_000_000,
                         peak_graph="a", peak_node=None, peak_phase="backward", feasible=True, replanned=True)
@@ -237,17 +248,7 @@ def test_torchs_partitions_measured_or_compiled_over_their_prediction_are_not_of
     import dpcs_compiler.runtime.step as step
     from dpcs_compiler.report import StepRecord
 
-    monkeypatch.setattr(step.GraphLevels, "of", staticmethod(lambda problem, decisions: problem))
-    monkeypatch.setattr(step, "predicted_levels", lambda shapes, graphs, levels: max(levels.values()))
-    monkeypatch.setattr(step, "step_peak", lambda shapes, graphs, levels: type("Peak", (), {
-        "bytes": max(max(v[:2]) for v in levels.values())})())
-
-    class Variant:
-        def __init__(self, levels):
-            self.levels = levels
-
-        def step_graph(self, credit=False):
-            return type("G", (), {"problem": self.levels})(), ("saved",)
+    Variant = compiled_variants_standing_in(monkeypatch)
 
     record = StepRecord(step="step_x", calls=["a", "b"], budget_bytes=10_000_000, predicted_peak_bytes=9_950_000,
                         peak_graph="a", peak_node=None, peak_phase="backward", feasible=True, replanned=True,
