@@ -175,9 +175,10 @@ class StepRecord:
     # plan was made on a first variant's problem that ran uncompiled (`StepRecorder._predict_as_compiled`).
     compiled_peak_bytes: int | None = None
     # No pressure: the graphs were offered torch's own partitions (`StepContext.torch_plan`; each graph's
-    # `CompileRecord.solver` says whether it kept its own). The predicted peak is then the model's of plans
-    # saving everything (the most torch's partitions keep), within the budget plus each call's runtime
-    # allowance (`cost.budget.torch_plan_limit`); `compiled_peak_bytes` is what the compiled graphs predict.
+    # `CompileRecord.solver` says whether it kept its own). The predicted peak is then the model's of the plans
+    # the offer was made with (saving everything, or each graph's own partition: `cost.step_model._torch_offer`),
+    # within the budget plus each call's runtime allowance (`cost.budget.torch_plan_limit`);
+    # `compiled_peak_bytes` is what the compiled graphs predict.
     torch_plans: bool = False
 
     def split(self) -> dict[str, int]:

@@ -59,9 +59,9 @@ class StepContext:
     # Candidates (by name) its plans may not recompute: their recomputation would read an input or output the
     # step frees before this graph's backward (`backward_freed` counts it freed).
     keep_saved: tuple[str, ...] = ()
-    # No pressure: the step fits, by the model, with every graph's plans saving everything (`plan_step`): the
-    # graph keeps torch's own partition if it fits in this context (`stages/memory_plan.py`, `_torch_solution`);
-    # else dpcs plans it.
+    # No pressure: the step fits, by the model, with every graph's plans saving everything or with each graph's
+    # own partition (`plan_step`, `_torch_offer`): the graph keeps torch's own partition if it fits in this
+    # context (`stages/memory_plan.py`, `_torch_solution`); else dpcs plans it.
     torch_plan: bool = False
     # With `torch_plan`: the step's other graph calls around this one, each counted in the context with its
     # runtime allowance, which torch's partition, measured with them, is not held to (`torch_plan_limit`).
@@ -212,6 +212,15 @@ class GraphLevels:
 
 
 @dataclasses.dataclass(frozen=True)
+class TorchLevels:
+    """Torch's own partition of one graph in the step planner's terms: one decision per candidate of the
+    graph's problem (saved where torch saves it) and the levels its partitioned graphs reach."""
+
+    decisions: tuple[str, ...]
+    levels: GraphLevels
+
+
+@dataclasses.dataclass(frozen=True)
 class GraphStep:
     """One compiled graph of the step, as the step planner sees it.
 
@@ -230,6 +239,11 @@ class GraphStep:
     shared_bytes: int
     gradient_bytes: int
     gradient_steps: tuple[tuple[int, int], ...] = ()
+    # Torch's own partition of this graph (min-cut) as the step planner offers it (`plan_step`'s `torch_limit`):
+    # its decisions and its levels (its partitioned graphs' own, what they hold beyond the model counted in);
+    # made at the first call (a min-cut of the graph: only when the step's plans saving everything do not fit),
+    # None there when it cannot be had. None: not known, plans saving everything stand for it.
+    torch_partition: Callable[[], TorchLevels | None] | None = None
 
     def gradients_at(self, step: int) -> int:
         """Bytes of its parameter gradients made by `step` of its problem (they stay to the step's end)."""
@@ -504,8 +518,8 @@ class StepPlan:
     level: float | None
     solves: int
     alone: bool = False  # one call of one graph, nothing around it: the step is that graph's own plan
-    # Torch's own partitions offered (`StepContext.torch_plan`): decisions and levels are those saving
-    # everything, the most each graph's own partition can keep for its backward (its compile decides).
+    # Torch's own partitions offered (`StepContext.torch_plan`): decisions and levels are those the offer was
+    # made with (saving everything, or each graph's own partition: `_torch_offer`); each graph's compile decides.
     torch_plans: bool = False
 
     def holds_most(self, graphs: Mapping[str, GraphStep]) -> str:
@@ -539,12 +553,12 @@ def plan_step(
     `final`: the solver each graph's compile will use, when the search used a cheaper one (`solve.fits`): the
     plan found is solved again with it in each graph's context, so its levels and peak are what compiles.
 
-    `torch_limit` (None: not offered): no cost at no pressure. Where the plans that save everything peak
-    within `torch_limit` bytes (what torch's partition of one graph is held to; the runtime allowance of each
-    other call of the step added, `cost.budget.torch_plan_limit`), each graph is given the contexts of those
-    plans (what every graph can keep for its backward at most, as torch's partition keeps no more), marked
-    `torch_plan`: its compile keeps torch's own partition where it fits there (`torch_plans`; the level
-    search is not run).
+    `torch_limit` (None: not offered): no cost at no pressure. Where the plans that save everything, or else
+    torch's own partitions (`GraphStep.torch_partition`), peak within `torch_limit` bytes (what torch's
+    partition of one graph is held to; the runtime allowance of each other call of the step added,
+    `cost.budget.torch_plan_limit`), each graph is given the contexts of those plans (what the others keep for
+    their backward), marked `torch_plan`: its compile keeps torch's own partition where it fits there
+    (`torch_plans`; the level search is not run; `_torch_offer`).
     """
     missing = {k for shape in shapes for k in shape.instances if k not in graphs}
     if missing or not shapes:
@@ -557,18 +571,9 @@ def plan_step(
     if peak.bytes <= target and settled or alone:
         return StepPlan(dict.fromkeys(graphs), dict(current), levels, peak, peak.bytes <= target, None, 0, alone)
     if torch_limit is not None:
-        saved = {k: GraphLevels.of(g.problem, g.problem.all_saved()) for k, g in graphs.items()}
-        saved_peak = step_peak(shapes, graphs, saved)
-        # Each graph's prediction counts its own runtime allowance and, inside the graphs and at the turn, that of
-        # each other call of its step shape; a graph in several shapes is held with the fewest.
-        others = {k: min(len(s.instances) - 1 for s in shapes if k in s.instances) for k in graphs}
-        counted = len(shapes[saved_peak.shape].instances) - 1 if saved_peak.phase != OPTIMIZER else 0
-        if saved_peak.bytes <= torch_limit + counted * RUNTIME_ALLOWANCE_BYTES:
-            held = {k: graphs[k].held(saved[k].boundary) for k in graphs}
-            contexts = {k: dataclasses.replace(c, torch_plan=True, other_calls=others[k])
-                        for k, c in contexts_for(shapes, graphs, held).items()}
-            return StepPlan(dict(contexts), {k: g.problem.all_saved() for k, g in graphs.items()}, saved, saved_peak,
-                            True, 1.0, 0, torch_plans=True)
+        offered = _torch_offer(shapes, graphs, torch_limit)
+        if offered is not None:
+            return offered
     search = _LevelSearch(shapes, graphs, solver)
     found = search.at(target)
     if found is not None:
@@ -597,6 +602,57 @@ def plan_step(
     lowest = _as_compiled(dataclasses.replace(lowest, contexts=contexts, solves=search.solves), shapes, graphs, final,
                           found_at)
     return dataclasses.replace(lowest, feasible=False)
+
+
+def _torch_offer(shapes: Sequence[StepShape], graphs: Mapping[str, GraphStep], torch_limit: int) -> StepPlan | None:
+    """Torch's own partitions offered (`plan_step`'s `torch_limit`), or None where they do not fit by the model:
+    first as the plans saving everything (no graph's partition keeps more; nothing to make), then, where those
+    do not fit, as each graph's own partition (`GraphStep.torch_partition`: min-cut recomputes cheap values,
+    which on HF GPT-2 held 34% less than saving everything), saving everything for a graph without one."""
+    # Each graph's prediction counts its own runtime allowance and, inside the graphs and at the turn, that of
+    # each other call of its step shape; a graph in several shapes is held with the fewest.
+    others = {k: min(len(s.instances) - 1 for s in shapes if k in s.instances) for k in graphs}
+    saved = {k: TorchLevels(g.problem.all_saved(), GraphLevels.of(g.problem, g.problem.all_saved()))
+             for k, g in graphs.items()}
+    for attempt in ("saved", "own"):
+        if attempt == "own":
+            own = {k: g.torch_partition() if g.torch_partition is not None else None for k, g in graphs.items()}
+            if all(o is None for o in own.values()):
+                return None
+            chosen = {k: own[k] or saved[k] for k in graphs}
+        else:
+            chosen = saved
+        levels = {k: t.levels for k, t in chosen.items()}
+        kept = _freeing_as_decided(shapes, graphs, {k: t.decisions for k, t in chosen.items()})
+        peak = step_peak(kept, graphs, levels)
+        counted = len(kept[peak.shape].instances) - 1 if peak.phase != OPTIMIZER else 0
+        if peak.bytes <= torch_limit + counted * RUNTIME_ALLOWANCE_BYTES:
+            held = {k: graphs[k].held(levels[k].boundary) for k in graphs}
+            contexts = {k: dataclasses.replace(c, torch_plan=True, other_calls=others[k])
+                        for k, c in contexts_for(kept, graphs, held).items()}
+            return StepPlan(dict(contexts), {k: t.decisions for k, t in chosen.items()}, levels, peak, True, 1.0, 0,
+                            torch_plans=True)
+    return None
+
+
+def _freeing_as_decided(shapes: Sequence[StepShape], graphs: Mapping[str, GraphStep],
+                        decisions: Mapping[str, Sequence[str]]) -> list[StepShape]:
+    """The shapes as a step of these plans runs: a call whose graph's plan recomputes a candidate its
+    `call_keep_saved` names keeps alive what the step measured freed before its backward (its backward reads
+    it), so nothing is freed there (`StepContext.for_decisions`). Measured with torch's partitions, the step
+    shows that, and a step planned without it was planned again and its graph compiled again."""
+    out = []
+    for shape in shapes:
+        if not shape.call_keep_saved:
+            out.append(shape)
+            continue
+        freed, keep = list(shape.call_backward_freed or (0,) * len(shape.instances)), list(shape.call_keep_saved)
+        for i, key in enumerate(shape.instances):
+            if keep[i] and any(d == RECOMPUTE and c.name in keep[i]
+                               for c, d in zip(graphs[key].problem.candidates, decisions[key])):
+                freed[i], keep[i] = 0, frozenset()
+        out.append(dataclasses.replace(shape, call_backward_freed=tuple(freed), call_keep_saved=tuple(keep)))
+    return out
 
 
 def _as_compiled(plan: StepPlan, shapes: Sequence[StepShape], graphs: Mapping[str, GraphStep],

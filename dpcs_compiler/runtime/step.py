@@ -227,6 +227,7 @@ class StepRecorder:
         # partitions, and whether a step that kept them was measured over its prediction (not offered again).
         self.torch_planned = False
         self.torch_refused = False
+        self.torch_budget: int | None = None  # the budget a step plan offering them holds (None: not offered)
         self.measuring = False  # this step is measured (every rank alike; `meter` None where it cannot be)
         self.due: tuple[_Meter | None, tuple | None] | None = None  # a measured step waiting to be read
         self.outside_measured: dict[tuple, int] = {}
@@ -657,12 +658,21 @@ class StepRecorder:
         # Planned again only if what was counted raises the step's predicted peak (a turn below the graphs' peak
         # changes nothing now; later plans of the step count it).
         optimizer_peak = (predicted_end + outside + shape.optimizer_bytes) if shape.optimizer_bytes is not None else 0
-        replan = max(predicted_graphs + outside, predicted_turn + outside + turn, optimizer_peak) > self.predicted_peak
+        corrected_peak = max(predicted_graphs + outside, predicted_turn + outside + turn, optimizer_peak)
+        replan = corrected_peak > self.predicted_peak
+        # Torch's partitions measured within the budget are kept: what they held beyond the model is counted
+        # (later plans see it) and nothing is compiled again (on HF GPT-2 at compile's own peak they measured
+        # 1.1 MB over their compiled prediction, exactly that peak: the same graphs torch.compile runs).
+        # (Every rank reads the same step: its readings are combined in `finish_reading`.)
+        kept = replan and self.torch_planned and self.torch_budget is not None and corrected_peak <= self.torch_budget
+        replan = replan and not kept
         log.info(
             "dpcs: the step measured %d B beyond its plan's %d B outside its turn (counted as memory outside its "
             "graphs), %d B beyond its %d B at its turn (counted as eager code's there) and %d B beyond its %d B "
             "at its end (counted in the optimizer step)%s",
-            outside, predicted_graphs, turn, predicted_turn, end, predicted_end, "; planned again" if replan else "",
+            outside, predicted_graphs, turn, predicted_turn, end, predicted_end,
+            "; planned again" if replan else f"; torch's partitions kept, within the budget of {self.torch_budget} B"
+            if kept else "",
         )
         if replan:
             if self.torch_planned and outside:  # torch's partitions held more than their compiles read: dpcs plans
@@ -851,6 +861,7 @@ class StepRecorder:
                 d.set_step_context(StepContext.parse(record.contexts.get(name)))
         # Whether the graphs run in contexts offered torch's partitions: this plan's, or kept from an earlier one.
         self.torch_planned = any(d.step_context is not None and d.step_context.torch_plan for d in dispatchers.values())
+        self.torch_budget = record.budget_bytes if self.torch_planned and record.feasible else None
         # Measure the step after the next one (the next compiles the new variants) against the prediction.
         self.verify_in, self.predicted = 1, (record.graphs_peak_bytes, record.turn_peak_bytes, record.end_bytes)
         self.predicted_peak = record.predicted_peak_bytes
@@ -1416,10 +1427,11 @@ def _watch_optimizers() -> None:
 def _offers_torch(dispatchers) -> bool:
     """Whether the step planner offers torch's own partitions (`plan_step`'s `torch_limit`): not where a graph
     would not keep its own anyway (`keep_torch_plan=False`, or a plan in bf16, fp16 or fp8:
-    `memory_plan.torch_plan_refusal`). Offered only where the step's plans saving everything fit by the model.
-    Offered up to 6% over it under Inductor (tried on the bench's graph-break net, whose step Inductor runs
-    within the budget), a graph whose own partition Inductor's schedule put over in its context was planned by
-    dpcs in a context counting the others saving everything, which did not fit, and the step compiled again."""
+    `memory_plan.torch_plan_refusal`). Offered only where the step fits by the model with plans saving
+    everything or with each graph's own partition (`cost.step_model._torch_offer`). Offered up to 6% over it
+    under Inductor (tried on the bench's graph-break net, whose step Inductor runs within the budget), a graph
+    whose own partition Inductor's schedule put over in its context was planned by dpcs in a context counting
+    the others saving everything, which did not fit, and the step compiled again."""
     jobs = [d.current_job() for d in dispatchers]
     return all(d.options.keep_torch_plan for d in dispatchers) and not any(j is None or j.plan.low_precision for j in jobs)
 

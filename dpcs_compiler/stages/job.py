@@ -22,7 +22,7 @@ from dpcs_compiler.debug.progress import PassProgress
 from dpcs_compiler.cost.hardware import ResolvedProfile
 from dpcs_compiler.cost.memory_model import SAVE, MemoryProblem, plan_memory
 from dpcs_compiler.cost.profiles import resolve_profile
-from dpcs_compiler.cost.step_model import GraphStep, in_step
+from dpcs_compiler.cost.step_model import GraphStep, TorchLevels, in_step
 from dpcs_compiler.debug.render import format_bytes
 from dpcs_compiler.options import DpcsOptions
 from dpcs_compiler.passes.analysis import FORWARD, Schedule
@@ -107,6 +107,8 @@ class StepView:
     problem: MemoryProblem
     sharing: Any  # `passes.analysis.planning.StepSharing`
     node_names: tuple[str, ...]
+    # Torch's own partition of that graph, made at the first call (`GraphStep.torch_partition`); None: not had.
+    torch_partition: Callable[[], TorchLevels | None] | None = None
 
     def decisions(self, problem: MemoryProblem, decisions: Sequence[str]) -> tuple[str, ...]:
         """`decisions` of `problem`'s candidates as this view's, by value name (a value this view has that
@@ -163,6 +165,8 @@ class GraphJob:
     # it depends on the joint graph only, which a re-plan traces again unchanged.
     _step_view: StepView | None = None
     _step_view_pending: Callable[[], StepView | None] | None = None
+    # Torch's own partition of this graph's problem, where its plan tried it (`GraphStep.torch_partition`).
+    torch_levels: TorchLevels | None = None
     torch_plan_refused: bool = False  # torch's partition was compiled and its schedule went over: dpcs plans
 
     @classmethod
@@ -235,13 +239,14 @@ class GraphJob:
         if self.dumper is not None:
             self.dumper.write_graph(name, gm)
 
-    def as_compiled(self, schedule: Schedule) -> Schedule:
-        """The schedule as the final compiler runs it (Inductor fuses pointwise values away)."""
-        if self.options.compiler == "inductor":
+    def as_compiled(self, schedule: Schedule, compiler: str | None = None) -> Schedule:
+        """The schedule as the final compiler (or `compiler`) runs it (Inductor fuses pointwise values away)."""
+        compiler = compiler or self.options.compiler
+        if compiler == "inductor":
             schedule = schedule.as_inductor(
                 frozenset().union(*(self.ctx.analyses.get(inductor_fusion, g) for g in schedule.graphs))
             )
-        return self.with_workspace(schedule)
+        return self.with_workspace(schedule, compiler)
 
     def with_workspace(self, schedule: Schedule, compiler: str | None = None) -> Schedule:
         """Under a memory budget, `schedule` with the workspace its kernels allocate inside themselves, measured
@@ -409,9 +414,11 @@ class GraphJob:
         if self.problem is None or self.sharing is None or self.budget_bytes is None or self.record.mode != "training":
             return None
         problem, sharing, decisions = self.problem, self.sharing, self.plan.decisions
+        torch_partition = (lambda levels=self.torch_levels: levels) if self.torch_levels is not None else None
         if self.step_view is not None:  # a stand-in: what its compiled graphs hold is not what will run
             view = self.step_view
             problem, sharing, decisions = view.problem, view.sharing, view.decisions(problem, decisions)
+            torch_partition = view.torch_partition
         else:
             excess = (self.held_excess if held_excess else None) or self.schedule_excess
             problem = problem.with_schedule_excess(max(0, excess["forward"]), max(0, excess["backward"]))
@@ -430,6 +437,7 @@ class GraphJob:
             shared_bytes=sharing.shared_bytes,
             gradient_bytes=sharing.gradient_bytes,
             gradient_steps=sharing.gradient_steps,
+            torch_partition=torch_partition,
         )
         return graph, decisions
 

@@ -19,7 +19,7 @@ from dpcs_compiler.cost.hardware import HardwareProfile
 from dpcs_compiler.cost.memory_model import OFFLOAD, RECOMPUTE, SAVE, MemoryProblem, plan_memory
 from dpcs_compiler.cost.calibration import recompute_terms
 from dpcs_compiler.cost.op_time import combine_seconds, roofline_terms, transfer_seconds
-from dpcs_compiler.cost.step_model import StepContext, in_step, least_held_cap
+from dpcs_compiler.cost.step_model import GraphLevels, StepContext, TorchLevels, in_step, least_held_cap
 from dpcs_compiler.debug.render import format_bytes
 from dpcs_compiler.passes.analysis import op_cost
 from dpcs_compiler.passes.analysis.inductor_schedule import probe_available
@@ -84,6 +84,9 @@ class TorchPartition:
 
 
 TorchPlan = Callable[[PlanningGraph], "TorchPartition | None"]  # None when it cannot be had
+# Torch's partition of a joint graph as a compiler partitions it, for a step view: (joint, its planning graph,
+# its memory problem, the compiler) -> its decisions and levels (`JointPartitioner.torch_levels`).
+TorchLevelsOf = Callable[[fx.GraphModule, PlanningGraph, MemoryProblem, str], TorchLevels]
 # A graph's lowest plan whose modelled peak is over its target by at most this fraction is compiled and judged
 # by its compiled graphs (`GraphJob.hold_to_budget`), which can hold less than the model: a conv net's
 # partitioned graphs held 2,304 B (0.02%) less, so a budget at the lowest peak `memory_budget=1` reported for
@@ -109,9 +112,10 @@ def torch_plan_refusal(job: GraphJob) -> str | None:
 
     It is kept only where its prediction was checked against measured peaks: for a graph planned alone; in a
     step of several graphs, where the step planner offers it (`StepContext.torch_plan`: the step fits by the
-    model with plans saving everything, and the context counts what the others keep at most; a step that
-    measures over its prediction inside its graphs with torch's partitions, or whose compiled variants
-    predict it over the budget, is planned by dpcs from then on, `StepRecorder.torch_refused`); and in fp32 (torch's
+    model with plans saving everything or with each graph's own partition, and the context counts what the
+    others keep then; a step that measures over its prediction inside its graphs and over its budget with
+    torch's partitions, or whose compiled variants predict it over the budget, is planned by dpcs from then
+    on, `StepRecorder.torch_refused`); and in fp32 (torch's
     partition of a bf16 graph measured 6% over its prediction under Inductor; dpcs's own plans are what the
     peak model was checked on with low-precision casts)."""
     if not job.options.keep_torch_plan:
@@ -175,12 +179,15 @@ def _as_compiler_traces(joint: fx.GraphModule, compiler: str, device: torch.devi
 
 
 def _step_view(job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: int, device: torch.device,
-               profile: HardwareProfile, calibration: Any, fake_mode: Any = None) -> StepView | None:
+               profile: HardwareProfile, calibration: Any, fake_mode: Any = None,
+               torch_levels: TorchLevelsOf | None = None, hints: Any = ()) -> StepView | None:
     """A stand-in's graph as the compiler it stands in for will run it (`GraphJob.step_view`); None, with a
     warning, if that graph cannot be made: the step is then planned with the stand-in's own problem, whose
     plans the compiled variants' prediction and the measured step still hold to the budget (more recomputed
     than needed where the compiler's graph holds less). `joint`: a copy of the stand-in's joint graph, which
-    the compiler's passes change; `fake_mode`: its compile's (None: the one its inputs' values belong to)."""
+    the compiler's passes change; `fake_mode`: its compile's (None: the one its inputs' values belong to);
+    `torch_levels`: how torch's partition of that graph is made, at the step planner's first call for it
+    (under the size hints `hints`; `StepView.torch_partition`)."""
     compiler = job.options.stands_in_for
     try:
         compiled_joint = _as_compiler_traces(joint, compiler, device, fake_mode)
@@ -193,7 +200,34 @@ def _step_view(job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: int, devic
                       f"{error}): its step is planned with its {job.options.compiler} graph, which can hold more",
                       stacklevel=2)
         return None
-    return StepView(view.problem, step_sharing(view.planning, num_fwd_outputs), tuple(n.name for n in view.schedule.nodes))
+    partition = None
+    if torch_levels is not None:
+        # The graph and its view until its partition is made (only then: a min-cut), then the partition.
+        pending: list[Any] = [(compiled_joint, view)]
+
+        def partition() -> TorchLevels | None:
+            if isinstance(pending[0], tuple):
+                pending[0] = _view_torch_levels(job, *pending[0], compiler, torch_levels, hints)
+            return pending[0]
+
+    return StepView(view.problem, step_sharing(view.planning, num_fwd_outputs), tuple(n.name for n in view.schedule.nodes),
+                    partition)
+
+
+def _view_torch_levels(job: GraphJob, joint: fx.GraphModule, view: _PlanningView, compiler: str,
+                       torch_levels: TorchLevelsOf, hints: Any) -> TorchLevels | None:
+    """Torch's partition of a step view's graph (`_step_view`); None, with a warning, where min-cut fails on
+    it: its step is then offered torch's partitions only where the plans saving everything fit."""
+    try:
+        with job.ctx.instrumented("plan", "step_view_torch_partition"), size_hints(hints):
+            return torch_levels(joint, view.planning, view.problem, compiler)
+    except Exception as error:  # noqa: BLE001 - the step planner goes on without it, said so
+        if job.options.strict:
+            raise
+        warnings.warn(f"dpcs could not make torch's partition of {job.record.graph} as {compiler} will run it "
+                      f"({type(error).__name__}: {error}): its step keeps torch's partitions only where plans "
+                      "saving everything fit", stacklevel=2)
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,13 +271,15 @@ class _PlanningView:
 
 
 def plan_memory_budget(
-    job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: int, torch_plan: TorchPlan | None = None
+    job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: int, torch_plan: TorchPlan | None = None,
+    torch_levels: TorchLevelsOf | None = None,
 ) -> tuple[PlanningGraph, TorchPartition | None]:
     """Candidates, cost model and solver: write the plan's decisions for the budget into `job.plan`.
 
     No cost at no pressure: if `torch_plan` is given, `torch_plan_refusal` allows it, and torch's own partition
     fits the budget, that partition is the plan (`Plan.torch_plan`), nothing is solved, and it is returned
-    beside the planning graph for the partition stage to compile (else None)."""
+    beside the planning graph for the partition stage to compile (else None). `torch_levels`: how a stand-in's
+    step view makes torch's partition of its graph (`_step_view`)."""
     ctx, options = job.ctx, job.options
     calibration = options.calibration  # given (fitted to measured steps, `fit_step_calibration`), or:
     if calibration is not None:
@@ -276,7 +312,8 @@ def plan_memory_budget(
 
         def build() -> StepView | None:
             with ctx.instrumented("plan", "step_view"), size_hints(hints):
-                return _step_view(job, source, num_fwd_outputs, device, profile, calibration, fake_mode)
+                return _step_view(job, source, num_fwd_outputs, device, profile, calibration, fake_mode,
+                                  torch_levels, hints)
 
         if job.agreeing_ranks:
             job.step_view = build()
@@ -290,12 +327,15 @@ def plan_memory_budget(
         budget = planning_budget(job, device, planning.resident_bytes, profile)
     # No cost at no pressure: torch's own partition, if it fits.
     context = options.step_context
-    kept = partition = None
+    kept = partition = job.torch_levels = None
     refusal = torch_plan_refusal(job) if torch_plan is not None else "not offered"
     if refusal is None:
         with ctx.instrumented("plan", "torch_partition"):
             partition = torch_plan(planning)
             kept = _torch_solution(job, job.problem, context, partition, budget) if partition is not None else None
+        if partition is not None:
+            own = job.problem.with_schedule_excess(partition.excess["forward"], partition.excess["backward"])
+            job.torch_levels = TorchLevels(partition.decisions, GraphLevels.of(own, partition.decisions))
     else:
         log.debug("%s: torch's own partition is not tried: %s", job.record.graph, refusal)
     with ctx.instrumented("plan", "solve"):

@@ -12,7 +12,8 @@ import torch.fx as fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
-from dpcs_compiler.cost.memory_model import OFFLOAD, RECOMPUTE, SAVE, plan_memory
+from dpcs_compiler.cost.memory_model import OFFLOAD, RECOMPUTE, SAVE, MemoryProblem, plan_memory
+from dpcs_compiler.cost.step_model import GraphLevels, TorchLevels
 from dpcs_compiler.passes.analysis import (
     FORWARD,
     Schedule,
@@ -73,7 +74,8 @@ class JointPartitioner(CustomPartitionerFn):
                 forward, backward = self.min_cut(joint, joint_schedule, joint_inputs, kwargs)
         else:
             planning, kept = plan_memory_budget(
-                job, joint, num_fwd_outputs, lambda planning: self.torch_plan(joint, joint_inputs, kwargs, planning)
+                job, joint, num_fwd_outputs, lambda planning: self.torch_plan(joint, joint_inputs, kwargs, planning),
+                lambda graph, planning, problem, compiler: self.torch_levels(graph, kwargs, planning, problem, compiler),
             )
             if kept is not None:
                 forward, backward = kept.parts
@@ -138,7 +140,7 @@ class JointPartitioner(CustomPartitionerFn):
             job.record.peak_node = job.plan.peak_node
             # What the partitioned graphs hold beyond the plan model, per phase (a value re-made once for
             # several recomputations is counted once by the partition, per candidate by the model).
-            job.partition_excess = partition_excess(job, job.levels, job.plan.decisions)
+            job.partition_excess = partition_excess(job.problem, job.levels, job.plan.decisions)
             if job.options.compiler != "inductor" or not probe_available():
                 # These graphs run as they are (or Inductor's schedule cannot be read): hold them to the budget.
                 job.hold_to_budget(dict(job.partition_excess), "its partitioned graphs")
@@ -214,19 +216,25 @@ class JointPartitioner(CustomPartitionerFn):
         the model of those decisions."""
         copied = fx.GraphModule(joint, copy.deepcopy(joint.graph))
         forward, backward = self.min_cut(copied, None, joint_inputs, kwargs)
-        originals = {n.name: n for n in joint.graph.nodes}
-        held = set()
-        for name in saved_names(forward, kwargs["num_fwd_outputs"]):
-            node = originals.get(name)
-            if node is not None:  # else a value min-cut made itself (CSE), counted by the partition excess
-                held.update(planning.live.references.get(node, ()))
-        decisions = tuple(
-            SAVE if c.buffer in held or not m.can_recompute else RECOMPUTE
-            for c, m in zip(planning.candidates, self.job.problem.candidates)
-        )
+        decisions = torch_decisions(joint, forward, kwargs["num_fwd_outputs"], planning, self.job.problem)
         analyses = self.step_analyses(forward, backward, kwargs["num_fwd_outputs"])
-        excess = partition_excess(self.job, PhaseLevels.of(analyses[1]), decisions)
+        excess = partition_excess(self.job.problem, PhaseLevels.of(analyses[1]), decisions)
         return TorchPartition(decisions, excess, (forward, backward), analyses)
+
+    def torch_levels(self, joint: fx.GraphModule, kwargs: dict, planning: PlanningGraph, problem: MemoryProblem,
+                     compiler: str) -> TorchLevels:
+        """Torch's partition of `joint` (a stand-in's graph as `compiler` runs it: its step view, whose planning
+        graph and problem these are) in the step planner's terms: its decisions, and the levels of its
+        partitioned graphs as `compiler` runs them (`GraphStep.torch_partition`)."""
+        num_fwd_outputs = kwargs["num_fwd_outputs"]
+        forward, backward = self.min_cut(fx.GraphModule(joint, copy.deepcopy(joint.graph)), None, (), kwargs)
+        decisions = torch_decisions(joint, forward, num_fwd_outputs, planning, problem)
+        step = self.job.as_compiled(
+            Schedule.of_partition(forward, backward, num_user_outputs=num_fwd_outputs,
+                                  parameter_indices=self.job.parameter_indices), compiler)
+        excess = partition_excess(problem, PhaseLevels.of(self.job.ctx.analyses.get(memory_timeline, step)), decisions)
+        own = problem.with_schedule_excess(excess["forward"], excess["backward"])
+        return TorchLevels(decisions, GraphLevels.of(own, decisions))
 
 
 def resident_backward_inputs(step: Schedule, live: Any) -> frozenset[str]:
@@ -237,11 +245,26 @@ def resident_backward_inputs(step: Schedule, live: Any) -> frozenset[str]:
                      if all(b.producer in resident for b in live.references.get(src, ())))
 
 
-def partition_excess(job: GraphJob, levels: PhaseLevels, decisions: Sequence[str]) -> dict[str, int]:
-    """What partitioned graphs hold beyond the plan model of `decisions`, per phase (a value re-made once for
-    several recomputations is counted once by the partition, per candidate by the model)."""
-    model = plan_memory(job.problem, decisions).bytes_during
-    start = job.problem.backward_start
+def torch_decisions(joint: fx.GraphModule, forward: fx.GraphModule, num_fwd_outputs: int, planning: PlanningGraph,
+                    problem: MemoryProblem) -> tuple[str, ...]:
+    """Torch's partition (`forward`, min-cut's of a copy of `joint`) as one decision per candidate of `joint`'s
+    planning graph and `problem`: saved if torch saves a value pointing into its buffer (or it cannot be made
+    again), else recomputed."""
+    originals = {n.name: n for n in joint.graph.nodes}
+    held = set()
+    for name in saved_names(forward, num_fwd_outputs):
+        node = originals.get(name)
+        if node is not None:  # else a value min-cut made itself (CSE), counted by the partition excess
+            held.update(planning.live.references.get(node, ()))
+    return tuple(SAVE if c.buffer in held or not m.can_recompute else RECOMPUTE
+                 for c, m in zip(planning.candidates, problem.candidates))
+
+
+def partition_excess(problem: MemoryProblem, levels: PhaseLevels, decisions: Sequence[str]) -> dict[str, int]:
+    """What partitioned graphs hold beyond the plan model of `decisions` in `problem`, per phase (a value re-made
+    once for several recomputations is counted once by the partition, per candidate by the model)."""
+    model = plan_memory(problem, decisions).bytes_during
+    start = problem.backward_start
     return {
         "forward": levels.forward_peak + RUNTIME_ALLOWANCE_BYTES - int(model[:start].max(initial=0)),
         "backward": levels.backward_peak + RUNTIME_ALLOWANCE_BYTES - int(model[start:].max(initial=0)),

@@ -18,6 +18,7 @@ from dpcs_compiler.cost.step_model import (
     GraphStep,
     StepContext,
     StepShape,
+    TorchLevels,
     boundary_level,
     contexts_for,
     end_bytes,
@@ -252,6 +253,64 @@ def test_plan_step_offers_torchs_partitions_where_plans_saving_everything_peak_w
     kept = plan_step(shapes, {k: graph(k, p, target=10_000, shared=100) for k in "AB"}, current, solver,
                      torch_limit=10**9)
     assert not kept.torch_plans and kept.level is None
+
+
+def test_plan_step_offers_each_graphs_own_partition_where_plans_saving_everything_do_not_fit():
+    """Torch's min-cut recomputes cheap values: where plans saving everything do not fit `torch_limit`, each
+    graph's own partition (`GraphStep.torch_partition`, made only then) is offered if the step fits with it;
+    a graph without one counts as saving everything, and with none at all nothing is offered."""
+    p = problem()
+    target = 230
+    made: list[str] = []
+
+    def partition_of(name: str, decisions: tuple[str, ...], excess: int = 0):
+        def make() -> TorchLevels:
+            made.append(name)
+            return TorchLevels(decisions, GraphLevels.of(p.with_schedule_excess(excess, excess), decisions))
+        return make
+
+    shapes = [StepShape(("A", "B"), 0)]
+    current = {k: (RECOMPUTE, RECOMPUTE) for k in "AB"}
+    own = (SAVE, RECOMPUTE)  # min-cut saves "a", makes "b" again
+    graphs = {k: dataclasses.replace(graph(k, p, target=target, shared=100), torch_partition=partition_of(k, own))
+              for k in "AB"}
+    saved = step_peak(shapes, graphs, {k: GraphLevels.of(p, p.all_saved()) for k in "AB"})
+    levels = {k: GraphLevels.of(p, own) for k in "AB"}
+    with_own = step_peak(shapes, graphs, levels)
+    assert with_own.bytes < saved.bytes
+    limit = with_own.bytes - RUNTIME_ALLOWANCE_BYTES  # one graph's limit: the other call's allowance added
+    offered = plan_step(shapes, graphs, current, solver, settled=False, torch_limit=limit)
+    assert sorted(made) == ["A", "B"]
+    assert offered.torch_plans and offered.feasible and offered.solves == 0
+    assert offered.decisions == {"A": own, "B": own} and offered.levels == levels and offered.peak == with_own
+    # The contexts count what each other graph's own partition keeps for its backward.
+    held = {k: graphs[k].held(levels[k].boundary) for k in "AB"}
+    assert offered.contexts == {k: dataclasses.replace(c, torch_plan=True, other_calls=1)
+                                for k, c in contexts_for(shapes, graphs, held).items()}
+    # A byte less: the level search, as without the offer.
+    assert not plan_step(shapes, graphs, current, solver, settled=False, torch_limit=limit - 1).torch_plans
+    # What a partition's graphs hold beyond the model is in its levels: 40 B more each, no longer offered.
+    over = {k: dataclasses.replace(g, torch_partition=partition_of(k, own, 40)) for k, g in graphs.items()}
+    assert not plan_step(shapes, over, current, solver, settled=False, torch_limit=limit).torch_plans
+    # A graph without its partition counts as saving everything; without any, nothing is made or offered.
+    half = {**graphs, "B": dataclasses.replace(graphs["B"], torch_partition=None)}
+    mixed = step_peak(shapes, half, {"A": levels["A"], "B": GraphLevels.of(p, p.all_saved())})
+    assert plan_step(shapes, half, current, solver, settled=False,
+                     torch_limit=mixed.bytes - RUNTIME_ALLOWANCE_BYTES).decisions == {"A": own, "B": p.all_saved()}
+    made.clear()
+    none = {k: dataclasses.replace(g, torch_partition=None) for k, g in graphs.items()}
+    assert not plan_step(shapes, none, current, solver, settled=False, torch_limit=limit).torch_plans
+    # Where plans saving everything fit, no partition is made.
+    assert plan_step(shapes, graphs, current, solver, settled=False, torch_limit=saved.bytes).torch_plans
+    assert made == []
+    # A call whose partition recomputes what the step frees before its backward ("b", whose recomputation reads
+    # it) keeps that alive: counted as not freed, in the peak and in its context (as its compile counts it, and
+    # as the step measures it: planned otherwise, the graph was compiled again).
+    freeing = [dataclasses.replace(shapes[0], call_backward_freed=(0, 20), call_keep_saved=(frozenset(), frozenset("b")))]
+    offer = plan_step(freeing, graphs, current, solver, settled=False, torch_limit=limit)
+    assert offer.torch_plans and offer.peak == with_own
+    assert offer.contexts["B"].backward_freed == 0 and offer.contexts["B"].keep_saved == ()
+    assert offer.contexts == plan_step(shapes, graphs, current, solver, settled=False, torch_limit=limit).contexts
 
 
 def test_plan_step_reports_the_smallest_step_peak_when_nothing_fits():

@@ -240,9 +240,10 @@ def test_torchs_partitions_measured_or_compiled_over_their_prediction_are_not_of
     """A step offered torch's own partitions at no pressure (`plan_step`'s `torch_limit`) keeps them while
     its compiled variants predict it within what torch's partitions are held to (the budget and each call's
     runtime allowance); if they predict it over (Inductor's schedule of a graph can hold more than the model),
-    or the step measures over its prediction inside its graphs, dpcs plans it from then on: offered again,
-    the same partitions would compile over again. What eager code holds beyond the plan at the step's turn
-    is not theirs, and a step of dpcs's own plans corrected the same way keeps the offer open."""
+    or the step measures over its prediction inside its graphs and over its budget, dpcs plans it from then
+    on: offered again, the same partitions would compile over again. Measured within the budget, they stay.
+    What eager code holds beyond the plan at the step's turn is not theirs, and a step of dpcs's own plans
+    corrected the same way keeps the offer open."""
     import weakref
 
     import dpcs_compiler.runtime.step as step
@@ -291,6 +292,17 @@ def test_torchs_partitions_measured_or_compiled_over_their_prediction_are_not_of
         STEPS.predicted, STEPS.predicted_peak = (10_000_000, 8_000_000, 6_000_000), 10_000_000
         STEPS._correct(key, shape, (11_000_000, 8_000_000, None), [])  # torch's partitions measured over
         assert STEPS.to_plan and STEPS.torch_refused
+
+        # Measured over their prediction but within the budget of the plan that offered them: kept, not compiled
+        # again; what they held beyond the model is counted for later plans of the step.
+        for measured, kept in ((11_500_000, True), (12_000_000, True), (12_000_001, False)):
+            STEPS.reset()
+            STEPS.torch_planned, STEPS.torch_budget = True, 12_000_000
+            STEPS.predicted, STEPS.predicted_peak = (10_000_000, 8_000_000, 6_000_000), 10_000_000
+            STEPS._correct(key, shape, (measured, 8_000_000, None), [])
+            assert (STEPS.to_plan, STEPS.torch_refused) == (not kept, not kept), measured
+            assert STEPS.outside_measured[key] == measured - 10_000_000
+            assert STEPS.shapes[key][0].outside_bytes == measured - 10_000_000
     finally:
         STEPS.reset()
 
