@@ -194,6 +194,7 @@ class GraphLevels:
     backward_peak: int
     backward_peak_step: int
     boundary: int
+    recomputed: frozenset[str] = frozenset()  # the candidates the plan recomputes, by name (`GraphStep.held`)
 
     @classmethod
     def of(cls, problem: MemoryProblem, decisions: Sequence[str]) -> GraphLevels:
@@ -208,6 +209,7 @@ class GraphLevels:
             backward_peak=int(during[b]) if len(bwd) else 0,
             backward_peak_step=b,
             boundary=boundary_level(problem, decisions),
+            recomputed=frozenset(c.name for c, d in zip(problem.candidates, decisions) if d == RECOMPUTE),
         )
 
 
@@ -244,14 +246,21 @@ class GraphStep:
     # made at the first call (a min-cut of the graph: only when the step's plans saving everything do not fit),
     # None there when it cannot be had. None: not known, plans saving everything stand for it.
     torch_partition: Callable[[], TorchLevels | None] | None = None
+    # Its inputs and outputs its backward does not read (in `shared_bytes`) that a recomputation reads: (bytes,
+    # the candidates whose recomputation reads it). A plan that recomputes one of those keeps it alive for its
+    # backward (`held`): on the bench's graph-break net, a 2 MiB input of the middle graph, which its first
+    # plans kept alive by recomputing `neg` from it, was counted as other calls' memory for every later plan.
+    freeable: tuple[tuple[int, tuple[str, ...]], ...] = ()
 
     def gradients_at(self, step: int) -> int:
         """Bytes of its parameter gradients made by `step` of its problem (they stay to the step's end)."""
         return sum(nbytes for at, nbytes in self.gradient_steps if at <= step)
 
-    def held(self, boundary: int) -> int:
-        """Bytes this graph keeps alive for its backward while the others run."""
-        return max(0, boundary - self.shared_bytes)
+    def held(self, boundary: int, recomputed: Set[str] = frozenset()) -> int:
+        """Bytes this graph keeps alive for its backward while the others run, with a plan whose boundary level
+        is `boundary` and that recomputes the candidates named `recomputed` (what they read is kept too)."""
+        kept = sum(nbytes for nbytes, readers in self.freeable if recomputed and not recomputed.isdisjoint(readers))
+        return max(0, boundary - self.shared_bytes) + kept
 
 
 @dataclasses.dataclass(frozen=True)
@@ -461,7 +470,7 @@ def step_peak(
     """The step's peak under each graph's plan: at every call, its own peak plus what the others hold; at
     each shape's turn, what the last call holds at its boundary, plus what the others hold, plus `turn_bytes`;
     and in the optimizer step that follows a shape, what the step holds at its end plus `optimizer_bytes`."""
-    held = {k: graphs[k].held(levels[k].boundary) for k in levels}
+    held = {k: graphs[k].held(levels[k].boundary, levels[k].recomputed) for k in levels}
     best: StepPeak | None = None
     for s, i, key, during_forward, during_backward, freed in _calls(shapes, graphs, held):
         lv = levels[key]
@@ -524,7 +533,7 @@ class StepPlan:
 
     def holds_most(self, graphs: Mapping[str, GraphStep]) -> str:
         """The graph that holds the most for its backward while the others run."""
-        return max(self.levels, key=lambda k: graphs[k].held(self.levels[k].boundary))
+        return max(self.levels, key=lambda k: graphs[k].held(self.levels[k].boundary, self.levels[k].recomputed))
 
 
 Solver = Callable[[MemoryProblem, int], tuple[tuple[str, ...], bool]]  # (problem, target) -> (decisions, feasible)
@@ -627,7 +636,7 @@ def _torch_offer(shapes: Sequence[StepShape], graphs: Mapping[str, GraphStep], t
         peak = step_peak(kept, graphs, levels)
         counted = len(kept[peak.shape].instances) - 1 if peak.phase != OPTIMIZER else 0
         if peak.bytes <= torch_limit + counted * RUNTIME_ALLOWANCE_BYTES:
-            held = {k: graphs[k].held(levels[k].boundary) for k in graphs}
+            held = {k: graphs[k].held(levels[k].boundary, levels[k].recomputed) for k in graphs}
             contexts = {k: dataclasses.replace(c, torch_plan=True, other_calls=others[k])
                         for k, c in contexts_for(kept, graphs, held).items()}
             return StepPlan(dict(contexts), {k: t.decisions for k, t in chosen.items()}, levels, peak, True, 1.0, 0,

@@ -73,7 +73,7 @@ from dpcs_compiler.measure import BEFORE_PROFILING, CpuMemoryProfile, optimizer_
 from dpcs_compiler.files import write_text_atomic
 from dpcs_compiler.report import _ON_CLEAR, STEPS_FILE, StepRecord, add_step_record, compile_count
 from dpcs_compiler.cost.budget import torch_plan_limit
-from dpcs_compiler.cost.memory_model import MemoryProblem, plan_seconds
+from dpcs_compiler.cost.memory_model import RECOMPUTE, MemoryProblem, plan_seconds
 from dpcs_compiler.cost.model_state import (
     StateLever,
     StateRates,
@@ -151,6 +151,8 @@ class _Call:
     # keeps through the backward (`StepShape.call_forward_others`, `call_backward_others`).
     forward_others: int = 0
     backward_others: int = 0
+    # Of `held`: what it holds only because its plan recomputes from it (`_kept_for_recomputation`).
+    kept: frozenset[int] = frozenset()
 
     def backward_starts(self, calls: Sequence[_Call], collect: bool) -> None:
         """Its backward starts: read which of its droppable buffers the step has freed, and what the others'
@@ -326,6 +328,11 @@ class StepRecorder:
         offloads = {id(p): (po, m) for po in list(OFFLOADS) for m in po.modules for p in po.params[m]}
         used: dict[tuple[int, int], tuple[ParameterOffload, torch.nn.Module]] = {}
         held_inputs = frozenset(sharing.held_inputs) if sharing is not None else frozenset()
+        # Inputs and outputs its plan keeps alive for a recomputation are held by it through its backward too
+        # (`GraphStep.held` counts them with that plan), not memory the other calls leave alive then.
+        kept_inputs, kept_outputs = _kept_for_recomputation(job, sharing)
+        held_inputs |= kept_inputs
+        kept: set[int] = set()
         for i, x in enumerate(args):
             if not isinstance(x, torch.Tensor):
                 continue
@@ -350,11 +357,17 @@ class StepRecorder:
             inputs[storage.data_ptr()] = storage.nbytes()
             if i in held_inputs:
                 held[storage.data_ptr()] = storage.nbytes()
+                if i in kept_inputs and i not in sharing.held_inputs:
+                    kept.add(storage.data_ptr())
         root = dispatcher.root() if dispatcher.root is not None else None
         if root is not None and fsdp is None:
             _count_unseen_parameters(root, args, parameters, offloads, bucket_views, outside)
         # What the earlier calls left that no graph counts while this one runs (not its own inputs: its own).
-        forward_others = _alive_elsewhere(self.calls, None, {p for c in self.calls for p in c.held} | set(inputs))
+        # (Those the others keep for a recomputation are counted: while the step's forward runs, a value the
+        # caller's frame holds is alive whatever their plans, and a plan that saves the value would show it
+        # here; counted with the plan that keeps it too, the forward is overestimated, not the backward.)
+        forward_others = _alive_elsewhere(self.calls, None, {p for c in self.calls for p in c.held if p not in c.kept}
+                                          | set(inputs))
         # The optimizers of this step's parameters: their state is alive through it.
         found = _optimizers_of(parameters, [p for po, m in used.values() for p in po.params[m]])
         if not self.calls:
@@ -368,10 +381,12 @@ class StepRecorder:
             dispatcher.forward_only = True  # its calls are left out of the step's order (`glance`)
             return out
         outputs = [t for t in leaves if isinstance(t, torch.Tensor)]
-        for i in sharing.held_outputs if sharing is not None else ():
+        for i in (*sharing.held_outputs, *kept_outputs) if sharing is not None else ():
             if i < len(outputs):
                 storage = outputs[i].untyped_storage()
                 held[storage.data_ptr()] = storage.nbytes()
+                if i not in sharing.held_outputs:
+                    kept.add(storage.data_ptr())
         if len(self.calls) >= MAX_PENDING_CALLS:
             log.warning("dpcs: %d graph calls without their backwards; the step recording starts again", len(self.calls))
             self._reset()
@@ -384,7 +399,8 @@ class StepRecorder:
         call = _Call(dispatcher, parameters, gradients, inputs, held, outside, dispatcher.bucket, own_gradients,
                      gathered, fsdp, tuple(used), *(frozenset((id(po), id(n)) for po, m in used.values()
                                                           for n in po.neighbours(m, direction)) for direction in (+1, -1)),
-                     droppable=_droppable(sharing, args, outputs, held, parameters), forward_others=forward_others)
+                     droppable=_droppable(sharing, args, outputs, held, parameters), forward_others=forward_others,
+                     kept=frozenset(kept))
         self.calls.append(call)
         self.pending += 1
         if self.meter is not None:
@@ -748,7 +764,7 @@ class StepRecorder:
             if graph is None:
                 return None
             g, decisions = graph
-            held += g.held(boundary_level(g.problem, decisions))
+            held += g.held(boundary_level(g.problem, decisions), _recomputed(g.problem, decisions))
             parameters.update(c.parameters)
             gradients.update(c.gradients)
         common = sum(v for k, v in parameters.items() if k not in own) + sum(gradients.values())
@@ -939,7 +955,7 @@ class StepRecorder:
         )
         if plan.feasible:
             return record, None, shapes
-        held = graphs[holds_most].held(plan.levels[holds_most].boundary)
+        held = graphs[holds_most].held(plan.levels[holds_most].boundary, plan.levels[holds_most].recomputed)
         message = (
             f"{describe_budget(budget or 0)} cannot be met for the training step of {len(record.calls)} graph calls "
             f"({', '.join(_counted(record.calls))}): the smallest step peak dpcs can reach is "
@@ -1170,6 +1186,22 @@ def _ddp_buckets() -> tuple[dict[int, int], bool]:
         return {}, False
     nbytes = sum(p.numel() * p.element_size() for p in ddp.module.parameters() if p.requires_grad)
     return {id(ddp): nbytes}, bool(getattr(ddp, "gradient_as_bucket_view", False))
+
+
+def _recomputed(problem: Any, decisions: Sequence[str]) -> frozenset[str]:
+    """The names of the candidates `decisions` recompute."""
+    return frozenset(c.name for c, d in zip(problem.candidates, decisions) if d == RECOMPUTE)
+
+
+def _kept_for_recomputation(job: Any, sharing: StepSharing | None) -> tuple[frozenset[int], frozenset[int]]:
+    """The positions of a call's inputs and of its outputs that its backward does not read but that its plan
+    keeps alive for a recomputation (`StepSharing.freeable`'s readers, by name: a stand-in's step view names
+    its candidates as the stand-in does)."""
+    if job is None or sharing is None or job.problem is None or not any(f.readers for f in sharing.freeable):
+        return frozenset(), frozenset()
+    recomputed = _recomputed(job.problem, job.plan.decisions)
+    kept = [f for f in sharing.freeable if not recomputed.isdisjoint(f.readers)]
+    return frozenset(i for f in kept for i in f.inputs), frozenset(i for f in kept for i in f.outputs)
 
 
 def _droppable(sharing: StepSharing | None, args: Sequence[Any], outputs: Sequence[torch.Tensor],

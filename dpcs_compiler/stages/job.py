@@ -438,6 +438,7 @@ class GraphJob:
             gradient_bytes=sharing.gradient_bytes,
             gradient_steps=sharing.gradient_steps,
             torch_partition=torch_partition,
+            freeable=tuple((f.nbytes, f.readers) for f in sharing.freeable if f.readers),
         )
         return graph, decisions
 

@@ -313,6 +313,28 @@ def test_plan_step_offers_each_graphs_own_partition_where_plans_saving_everythin
     assert offer.contexts == plan_step(shapes, graphs, current, solver, settled=False, torch_limit=limit).contexts
 
 
+def test_a_graph_holds_what_its_plans_recomputation_reads():
+    """An input (or output) its backward does not read is not the graph's to hold (`shared_bytes`) unless its
+    plan recomputes a value from it: then the graph keeps it alive for its backward, and the other calls'
+    contexts and the step's peak count it with that plan, not with a plan that saves the value."""
+    p = problem()
+    plain = graph("A", p, target=1000, shared=100)
+    g = dataclasses.replace(plain, freeable=((20, ("b",)), (7, ())))
+    saving, recomputing = GraphLevels.of(p, (SAVE, SAVE)), GraphLevels.of(p, (SAVE, RECOMPUTE))
+    assert recomputing.recomputed == frozenset("b") and saving.recomputed == frozenset()
+    assert g.held(200) == g.held(200, frozenset("a")) == 100 and g.held(200, frozenset("b")) == 120
+    # B runs while A holds for its backward, so the step peaks in B's phases: 20 B more where A recomputes "b".
+    shapes = [StepShape(("A", "B"), 0)]
+    b = graph("B", p, target=1000, shared=100)
+    for levels, more in (({"A": recomputing, "B": saving}, 20), ({"A": saving, "B": saving}, 0)):
+        with_input = step_peak(shapes, {"A": g, "B": b}, levels)
+        assert with_input.graph == "B" and with_input.bytes - step_peak(shapes, {"A": plain, "B": b}, levels).bytes == more
+    held = {"A": g.held(recomputing.boundary, recomputing.recomputed), "B": b.held(saving.boundary)}
+    assert held["A"] == plain.held(recomputing.boundary) + 20
+    assert contexts_for(shapes, {"A": g, "B": b}, held)["B"].forward_bytes == \
+        contexts_for(shapes, {"A": plain, "B": b}, {**held, "A": plain.held(recomputing.boundary)})["B"].forward_bytes + 20
+
+
 def test_plan_step_reports_the_smallest_step_peak_when_nothing_fits():
     p = problem()
     graphs = {k: graph(k, p, target=150, shared=100) for k in "AB"}

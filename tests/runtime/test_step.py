@@ -355,3 +355,26 @@ def test_graphs_without_a_backward_stay_out_of_the_steps_order(monkeypatch):
             compiled(x, ids).square().mean().backward()
     assert len(step_records()) >= 1
     assert not armed, f"the step watch started again {len(armed)} times in 6 steps"
+
+
+def test_a_calls_inputs_and_outputs_its_plan_recomputes_from_are_held_by_it():
+    """An input or output a graph's backward does not read, which its plan reads again to recompute a value,
+    is held by that call (`GraphStep.held` counts it with that plan), not memory the other calls leave alive:
+    measured as the others', it was counted for every later plan, those that save the value too."""
+    from types import SimpleNamespace
+
+    import dpcs_compiler.runtime.step as step
+    from dpcs_compiler.cost.memory_model import RECOMPUTE, SAVE
+    from dpcs_compiler.passes.analysis.planning import Freeable, StepSharing
+
+    sharing = StepSharing(0, 0, 0, freeable=(Freeable(20, (0,), (), ("neg",)), Freeable(8, (), (1,), ("tanh",)),
+                                            Freeable(4, (2,), (), ())))
+    candidates = (SimpleNamespace(name="neg"), SimpleNamespace(name="tanh"), SimpleNamespace(name="add"))
+    job = SimpleNamespace(problem=SimpleNamespace(candidates=candidates), plan=SimpleNamespace(decisions=(RECOMPUTE, SAVE, RECOMPUTE)))
+    assert step._kept_for_recomputation(job, sharing) == ({0}, set())
+    job.plan.decisions = (SAVE, RECOMPUTE, RECOMPUTE)
+    assert step._kept_for_recomputation(job, sharing) == (set(), {1})
+    job.plan.decisions = (SAVE, SAVE, RECOMPUTE)
+    assert step._kept_for_recomputation(job, sharing) == (set(), set())
+    assert step._kept_for_recomputation(None, sharing) == (set(), set())
+    assert step._kept_for_recomputation(job, None) == (set(), set())
