@@ -95,8 +95,10 @@ def one_run(layers: int, mode: str, batch: int, seq: int, budget: int | None, co
         for name, seconds in record.pass_seconds.items():
             passes[name] = passes.get(name, 0.0) + seconds
     planned = step_records()
-    if planned:  # the step planner's level search (each graph's compile of the plan is in its record)
-        passes["step/plan"] = sum(r.planning_seconds for r in planned)
+    if planned:  # the step planner's level search (each graph's compile of the plan is in its record), less the
+        # min-cuts of the step views it asked for (each in its graph's record: "plan/step_view_torch_partition")
+        passes["step/plan"] = max(0.0, sum(r.planning_seconds for r in planned)
+                                  - passes.get("plan/step_view_torch_partition", 0.0))
     return {
         "layers": layers,
         "mode": mode,
