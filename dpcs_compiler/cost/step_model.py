@@ -615,14 +615,18 @@ def plan_step(
 
 def _torch_offer(shapes: Sequence[StepShape], graphs: Mapping[str, GraphStep], torch_limit: int) -> StepPlan | None:
     """Torch's own partitions offered (`plan_step`'s `torch_limit`), or None where they do not fit by the model:
-    first as the plans saving everything (no graph's partition keeps more; nothing to make), then, where those
-    do not fit, as each graph's own partition (`GraphStep.torch_partition`: min-cut recomputes cheap values,
-    which on HF GPT-2 held 34% less than saving everything), saving everything for a graph without one."""
+    first as the plans saving everything, each keeping what any recomputation reads (no graph's partition keeps
+    more; nothing to make), then, where those do not fit, as each graph's own partition
+    (`GraphStep.torch_partition`: min-cut recomputes cheap values, which on HF GPT-2 held 34% less than saving
+    everything), saving everything for a graph without one."""
     # Each graph's prediction counts its own runtime allowance and, inside the graphs and at the turn, that of
     # each other call of its step shape; a graph in several shapes is held with the fewest.
     others = {k: min(len(s.instances) - 1 for s in shapes if k in s.instances) for k in graphs}
-    saved = {k: TorchLevels(g.problem.all_saved(), GraphLevels.of(g.problem, g.problem.all_saved()))
-             for k, g in graphs.items()}
+    # Saving everything, and keeping every input or output a recomputation reads: no partition holds more
+    # (torch's can recompute from such an input, which it then keeps alive, `GraphStep.held`).
+    saved = {k: TorchLevels(g.problem.all_saved(), dataclasses.replace(
+        GraphLevels.of(g.problem, g.problem.all_saved()),
+        recomputed=frozenset(name for _, readers in g.freeable for name in readers))) for k, g in graphs.items()}
     for attempt in ("saved", "own"):
         if attempt == "own":
             own = {k: g.torch_partition() if g.torch_partition is not None else None for k, g in graphs.items()}

@@ -327,7 +327,7 @@ class StepRecorder:
         own_gradients = gathered = 0
         offloads = {id(p): (po, m) for po in list(OFFLOADS) for m in po.modules for p in po.params[m]}
         used: dict[tuple[int, int], tuple[ParameterOffload, torch.nn.Module]] = {}
-        held_inputs = frozenset(sharing.held_inputs) if sharing is not None else frozenset()
+        held_inputs = sharing_held = frozenset(sharing.held_inputs) if sharing is not None else frozenset()
         # Inputs and outputs its plan keeps alive for a recomputation are held by it through its backward too
         # (`GraphStep.held` counts them with that plan), not memory the other calls leave alive then.
         kept_inputs, kept_outputs = _kept_for_recomputation(job, sharing)
@@ -362,10 +362,14 @@ class StepRecorder:
         root = dispatcher.root() if dispatcher.root is not None else None
         if root is not None and fsdp is None:
             _count_unseen_parameters(root, args, parameters, offloads, bucket_views, outside)
+        kept -= {p for i, x in enumerate(args) if i in sharing_held and isinstance(x, torch.Tensor)
+                 for p in (x.untyped_storage().data_ptr(),)} if kept else set()
         # What the earlier calls left that no graph counts while this one runs (not its own inputs: its own).
-        # (Those the others keep for a recomputation are counted: while the step's forward runs, a value the
-        # caller's frame holds is alive whatever their plans, and a plan that saves the value would show it
-        # here; counted with the plan that keeps it too, the forward is overestimated, not the backward.)
+        # A storage an earlier call keeps for its plan's recomputation that a call before it lists as its own
+        # droppable output (the first graph's output the middle graph recomputes from, on the bench's
+        # graph-break net) is counted here too: during the step's forward the caller's frame still holds such an
+        # output whatever the plans (measured with a plan that saves instead), so with the plan that keeps it the
+        # forward is counted twice (over, never under), and the measured shape is the same under both plans.
         forward_others = _alive_elsewhere(self.calls, None, {p for c in self.calls for p in c.held if p not in c.kept}
                                           | set(inputs))
         # The optimizers of this step's parameters: their state is alive through it.
@@ -387,6 +391,8 @@ class StepRecorder:
                 held[storage.data_ptr()] = storage.nbytes()
                 if i not in sharing.held_outputs:
                     kept.add(storage.data_ptr())
+        kept -= {outputs[i].untyped_storage().data_ptr() for i in sharing.held_outputs if i < len(outputs)} \
+            if kept and sharing is not None else set()
         if len(self.calls) >= MAX_PENDING_CALLS:
             log.warning("dpcs: %d graph calls without their backwards; the step recording starts again", len(self.calls))
             self._reset()
@@ -680,7 +686,8 @@ class StepRecorder:
         # (later plans see it) and nothing is compiled again (on HF GPT-2 at compile's own peak they measured
         # 1.1 MB over their compiled prediction, exactly that peak: the same graphs torch.compile runs).
         # (Every rank reads the same step: its readings are combined in `finish_reading`.)
-        kept = replan and self.torch_planned and self.torch_budget is not None and corrected_peak <= self.torch_budget
+        kept = (replan and self.torch_planned and self.torch_budget is not None
+                and max(measured[0], measured[1], optimizer_peak) <= self.torch_budget)
         replan = replan and not kept
         log.info(
             "dpcs: the step measured %d B beyond its plan's %d B outside its turn (counted as memory outside its "
@@ -708,9 +715,11 @@ class StepRecorder:
             parameters.update(c.parameters)
             gradients.update(c.gradients)
             outside.update(c.outside)
+            # (What a call keeps only for its plan's recomputation is left out: a plan that saves instead does
+            # not hold it, and the model counts it with the plans that do, `GraphStep.held`.)
             inputs_held_before.append(sum(n for p, n in c.inputs.items() if p in held_before))
-            held_twice.append(sum(n for p, n in c.held.items() if p in held_before and p in c.inputs))
-            held_before.update(c.held)
+            held_twice.append(sum(n for p, n in c.held.items() if p in held_before and p in c.inputs and p not in c.kept))
+            held_before.update(p for p in c.held if p not in c.kept)
         for key in [k for k in outside if k in parameters]:
             del outside[key]  # a parameter one call does not take and another does (its gradient counted with it)
         fsdp = next((c.fsdp for c in reversed(calls) if c.fsdp is not None), None)

@@ -249,6 +249,11 @@ def test_plan_step_offers_torchs_partitions_where_plans_saving_everything_peak_w
     assert searched == plan_step(shapes, graphs, current, solver, settled=False)
     assert not searched.torch_plans and searched.feasible and searched.peak.bytes <= target
     assert not any(c.torch_plan for c in searched.contexts.values())
+    # A partition that recomputes from an input its backward does not read keeps it alive (`GraphStep.held`):
+    # plans saving everything stand for every partition only with such inputs counted kept.
+    reading = {k: dataclasses.replace(g, freeable=((20, ("b",)),)) for k, g in graphs.items()}
+    assert not plan_step(shapes, reading, current, solver, settled=False, torch_limit=limit).torch_plans
+    assert plan_step(shapes, reading, current, solver, settled=False, torch_limit=limit + 20).torch_plans
     # Plans that already fit the step, settled, stay as they are, offer or not.
     kept = plan_step(shapes, {k: graph(k, p, target=10_000, shared=100) for k in "AB"}, current, solver,
                      torch_limit=10**9)

@@ -317,6 +317,8 @@ def test_a_budget_at_the_steps_own_peak_keeps_torchs_partitions_that_recompute()
     stand_ins = [r for r in compile_records() if r.mode == "training" and r.compiler == "eager"]
     assert len(stand_ins) == 2
     for r in stand_ins:  # torch's own partition recomputes: it keeps less than saving everything
+        # Made while the step was planned: plans saving everything did not fit, so the offer is its own.
+        assert "plan/step_view_torch_partition" in r.pass_seconds, r.pass_seconds
         view = job_of(r.graph).step_view
         own = view.torch_partition()
         assert RECOMPUTE in own.decisions

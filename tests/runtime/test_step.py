@@ -378,3 +378,28 @@ def test_a_calls_inputs_and_outputs_its_plan_recomputes_from_are_held_by_it():
     assert step._kept_for_recomputation(job, sharing) == (set(), set())
     assert step._kept_for_recomputation(None, sharing) == (set(), set())
     assert step._kept_for_recomputation(job, None) == (set(), set())
+
+
+def test_what_a_call_keeps_for_a_recomputation_is_not_held_before_the_next_calls():
+    """A storage a call holds only because its plan recomputes from it (`_Call.kept`) is not counted as held
+    before a later call that takes it too: a plan that saves instead does not hold it, and the model counts it
+    with the plans that do (`GraphStep.held`); counted there, every later call's share of it was dropped."""
+    from types import SimpleNamespace
+
+    import dpcs_compiler.runtime.step as step
+
+    class Dispatcher:  # weakly referenced by the shape
+        def __init__(self, name):
+            self.name = name
+
+    def call(name, inputs, held, kept=frozenset()):
+        return step._Call(Dispatcher(name), {}, {}, inputs, held, {}, (), 0, 0, None, kept=kept)
+
+    shared, own = 1, 2
+    calls = [call("a", {own: 8}, {own: 8}), call("b", {shared: 20}, {shared: 20}, kept=frozenset({shared})),
+             call("c", {shared: 20, own: 8}, {shared: 20, own: 8}, kept=frozenset({shared}))]
+    shape, _ = STEPS._shape(calls, {})
+    assert shape.inputs_held_before == (0, 0, 8) and shape.held_twice == (0, 0, 8)
+    held = [call("b", {shared: 20}, {shared: 20}), call("c", {shared: 20}, {shared: 20})]  # read by its backward
+    shape, _ = STEPS._shape(held, {})
+    assert shape.inputs_held_before == (0, 20) and shape.held_twice == (0, 20)
