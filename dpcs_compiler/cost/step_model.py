@@ -209,8 +209,13 @@ class GraphLevels:
             backward_peak=int(during[b]) if len(bwd) else 0,
             backward_peak_step=b,
             boundary=boundary_level(problem, decisions),
-            recomputed=frozenset(c.name for c, d in zip(problem.candidates, decisions) if d == RECOMPUTE),
+            recomputed=recomputed_names(problem, decisions),
         )
+
+
+def recomputed_names(problem: MemoryProblem, decisions: Sequence[str]) -> frozenset[str]:
+    """The names of the candidates `decisions` recompute."""
+    return frozenset(c.name for c, d in zip(problem.candidates, decisions) if d == RECOMPUTE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,6 +225,12 @@ class TorchLevels:
 
     decisions: tuple[str, ...]
     levels: GraphLevels
+
+    @classmethod
+    def of(cls, problem: MemoryProblem, decisions: Sequence[str], excess: Mapping[str, int]) -> TorchLevels:
+        """The partition of `decisions` whose graphs hold `excess` (per phase) beyond the model of `problem`."""
+        own = problem.with_schedule_excess(excess["forward"], excess["backward"])
+        return cls(tuple(decisions), GraphLevels.of(own, decisions))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -627,25 +638,25 @@ def _torch_offer(shapes: Sequence[StepShape], graphs: Mapping[str, GraphStep], t
     saved = {k: TorchLevels(g.problem.all_saved(), dataclasses.replace(
         GraphLevels.of(g.problem, g.problem.all_saved()),
         recomputed=frozenset(name for _, readers in g.freeable for name in readers))) for k, g in graphs.items()}
-    for attempt in ("saved", "own"):
-        if attempt == "own":
-            own = {k: g.torch_partition() if g.torch_partition is not None else None for k, g in graphs.items()}
-            if all(o is None for o in own.values()):
-                return None
-            chosen = {k: own[k] or saved[k] for k in graphs}
-        else:
-            chosen = saved
+
+    def offer(chosen: Mapping[str, TorchLevels]) -> StepPlan | None:
         levels = {k: t.levels for k, t in chosen.items()}
         kept = _freeing_as_decided(shapes, graphs, {k: t.decisions for k, t in chosen.items()})
         peak = step_peak(kept, graphs, levels)
         counted = len(kept[peak.shape].instances) - 1 if peak.phase != OPTIMIZER else 0
-        if peak.bytes <= torch_limit + counted * RUNTIME_ALLOWANCE_BYTES:
-            held = {k: graphs[k].held(levels[k].boundary, levels[k].recomputed) for k in graphs}
-            contexts = {k: dataclasses.replace(c, torch_plan=True, other_calls=others[k])
-                        for k, c in contexts_for(kept, graphs, held).items()}
-            return StepPlan(dict(contexts), {k: t.decisions for k, t in chosen.items()}, levels, peak, True, 1.0, 0,
-                            torch_plans=True)
-    return None
+        if peak.bytes > torch_limit + counted * RUNTIME_ALLOWANCE_BYTES:
+            return None
+        held = {k: graphs[k].held(levels[k].boundary, levels[k].recomputed) for k in graphs}
+        contexts = {k: dataclasses.replace(c, torch_plan=True, other_calls=others[k])
+                    for k, c in contexts_for(kept, graphs, held).items()}
+        return StepPlan(dict(contexts), {k: t.decisions for k, t in chosen.items()}, levels, peak, True, 1.0, 0,
+                        torch_plans=True)
+
+    offered = offer(saved)
+    if offered is not None:
+        return offered
+    own = {k: g.torch_partition() if g.torch_partition is not None else None for k, g in graphs.items()}
+    return None if all(o is None for o in own.values()) else offer({k: own[k] or saved[k] for k in graphs})
 
 
 def _freeing_as_decided(shapes: Sequence[StepShape], graphs: Mapping[str, GraphStep],

@@ -63,6 +63,7 @@ from dpcs_compiler.cost.step_model import (
     end_bytes,
     plan_step,
     predicted_levels,
+    recomputed_names,
     step_peak,
     with_offloaded,
 )
@@ -73,7 +74,7 @@ from dpcs_compiler.measure import BEFORE_PROFILING, CpuMemoryProfile, optimizer_
 from dpcs_compiler.files import write_text_atomic
 from dpcs_compiler.report import _ON_CLEAR, STEPS_FILE, StepRecord, add_step_record, compile_count
 from dpcs_compiler.cost.budget import torch_plan_limit
-from dpcs_compiler.cost.memory_model import RECOMPUTE, MemoryProblem, plan_seconds
+from dpcs_compiler.cost.memory_model import MemoryProblem, plan_seconds
 from dpcs_compiler.cost.model_state import (
     StateLever,
     StateRates,
@@ -327,12 +328,14 @@ class StepRecorder:
         own_gradients = gathered = 0
         offloads = {id(p): (po, m) for po in list(OFFLOADS) for m in po.modules for p in po.params[m]}
         used: dict[tuple[int, int], tuple[ParameterOffload, torch.nn.Module]] = {}
-        held_inputs = sharing_held = frozenset(sharing.held_inputs) if sharing is not None else frozenset()
         # Inputs and outputs its plan keeps alive for a recomputation are held by it through its backward too
-        # (`GraphStep.held` counts them with that plan), not memory the other calls leave alive then.
+        # (`GraphStep.held` counts them with that plan), not memory the other calls leave alive then; `kept`:
+        # their storages, less those its backward reads anyway (at another position).
         kept_inputs, kept_outputs = _kept_for_recomputation(job, sharing)
-        held_inputs |= kept_inputs
+        read_inputs = frozenset(sharing.held_inputs) if sharing is not None else frozenset()
+        held_inputs = read_inputs | kept_inputs
         kept: set[int] = set()
+        read: set[int] = set()
         for i, x in enumerate(args):
             if not isinstance(x, torch.Tensor):
                 continue
@@ -357,13 +360,10 @@ class StepRecorder:
             inputs[storage.data_ptr()] = storage.nbytes()
             if i in held_inputs:
                 held[storage.data_ptr()] = storage.nbytes()
-                if i in kept_inputs and i not in sharing.held_inputs:
-                    kept.add(storage.data_ptr())
+                (read if i in read_inputs else kept).add(storage.data_ptr())
         root = dispatcher.root() if dispatcher.root is not None else None
         if root is not None and fsdp is None:
             _count_unseen_parameters(root, args, parameters, offloads, bucket_views, outside)
-        kept -= {p for i, x in enumerate(args) if i in sharing_held and isinstance(x, torch.Tensor)
-                 for p in (x.untyped_storage().data_ptr(),)} if kept else set()
         # What the earlier calls left that no graph counts while this one runs (not its own inputs: its own).
         # A storage an earlier call keeps for its plan's recomputation that a call before it lists as its own
         # droppable output (the first graph's output the middle graph recomputes from, on the bench's
@@ -389,10 +389,7 @@ class StepRecorder:
             if i < len(outputs):
                 storage = outputs[i].untyped_storage()
                 held[storage.data_ptr()] = storage.nbytes()
-                if i not in sharing.held_outputs:
-                    kept.add(storage.data_ptr())
-        kept -= {outputs[i].untyped_storage().data_ptr() for i in sharing.held_outputs if i < len(outputs)} \
-            if kept and sharing is not None else set()
+                (read if i in sharing.held_outputs else kept).add(storage.data_ptr())
         if len(self.calls) >= MAX_PENDING_CALLS:
             log.warning("dpcs: %d graph calls without their backwards; the step recording starts again", len(self.calls))
             self._reset()
@@ -406,7 +403,7 @@ class StepRecorder:
                      gathered, fsdp, tuple(used), *(frozenset((id(po), id(n)) for po, m in used.values()
                                                           for n in po.neighbours(m, direction)) for direction in (+1, -1)),
                      droppable=_droppable(sharing, args, outputs, held, parameters), forward_others=forward_others,
-                     kept=frozenset(kept))
+                     kept=frozenset(kept - read))
         self.calls.append(call)
         self.pending += 1
         if self.meter is not None:
@@ -773,7 +770,7 @@ class StepRecorder:
             if graph is None:
                 return None
             g, decisions = graph
-            held += g.held(boundary_level(g.problem, decisions), _recomputed(g.problem, decisions))
+            held += g.held(boundary_level(g.problem, decisions), recomputed_names(g.problem, decisions))
             parameters.update(c.parameters)
             gradients.update(c.gradients)
         common = sum(v for k, v in parameters.items() if k not in own) + sum(gradients.values())
@@ -1197,18 +1194,13 @@ def _ddp_buckets() -> tuple[dict[int, int], bool]:
     return {id(ddp): nbytes}, bool(getattr(ddp, "gradient_as_bucket_view", False))
 
 
-def _recomputed(problem: Any, decisions: Sequence[str]) -> frozenset[str]:
-    """The names of the candidates `decisions` recompute."""
-    return frozenset(c.name for c, d in zip(problem.candidates, decisions) if d == RECOMPUTE)
-
-
 def _kept_for_recomputation(job: Any, sharing: StepSharing | None) -> tuple[frozenset[int], frozenset[int]]:
     """The positions of a call's inputs and of its outputs that its backward does not read but that its plan
     keeps alive for a recomputation (`StepSharing.freeable`'s readers, by name: a stand-in's step view names
     its candidates as the stand-in does)."""
     if job is None or sharing is None or job.problem is None or not any(f.readers for f in sharing.freeable):
         return frozenset(), frozenset()
-    recomputed = _recomputed(job.problem, job.plan.decisions)
+    recomputed = recomputed_names(job.problem, job.plan.decisions)
     kept = [f for f in sharing.freeable if not recomputed.isdisjoint(f.readers)]
     return frozenset(i for f in kept for i in f.inputs), frozenset(i for f in kept for i in f.outputs)
 

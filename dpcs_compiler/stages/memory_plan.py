@@ -19,7 +19,7 @@ from dpcs_compiler.cost.hardware import HardwareProfile
 from dpcs_compiler.cost.memory_model import OFFLOAD, RECOMPUTE, SAVE, MemoryProblem, plan_memory
 from dpcs_compiler.cost.calibration import recompute_terms
 from dpcs_compiler.cost.op_time import combine_seconds, roofline_terms, transfer_seconds
-from dpcs_compiler.cost.step_model import GraphLevels, StepContext, TorchLevels, in_step, least_held_cap
+from dpcs_compiler.cost.step_model import StepContext, TorchLevels, in_step, least_held_cap
 from dpcs_compiler.debug.render import format_bytes
 from dpcs_compiler.passes.analysis import op_cost
 from dpcs_compiler.passes.analysis.inductor_schedule import probe_available
@@ -334,8 +334,7 @@ def plan_memory_budget(
             partition = torch_plan(planning)
             kept = _torch_solution(job, job.problem, context, partition, budget) if partition is not None else None
         if partition is not None:
-            own = job.problem.with_schedule_excess(partition.excess["forward"], partition.excess["backward"])
-            job.torch_levels = TorchLevels(partition.decisions, GraphLevels.of(own, partition.decisions))
+            job.torch_levels = TorchLevels.of(job.problem, partition.decisions, partition.excess)
     else:
         log.debug("%s: torch's own partition is not tried: %s", job.record.graph, refusal)
     with ctx.instrumented("plan", "solve"):

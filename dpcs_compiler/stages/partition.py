@@ -13,7 +13,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from dpcs_compiler.cost.memory_model import OFFLOAD, RECOMPUTE, SAVE, MemoryProblem, plan_memory
-from dpcs_compiler.cost.step_model import GraphLevels, TorchLevels
+from dpcs_compiler.cost.step_model import TorchLevels
 from dpcs_compiler.passes.analysis import (
     FORWARD,
     Schedule,
@@ -232,9 +232,8 @@ class JointPartitioner(CustomPartitionerFn):
         step = self.job.as_compiled(
             Schedule.of_partition(forward, backward, num_user_outputs=num_fwd_outputs,
                                   parameter_indices=self.job.parameter_indices), compiler)
-        excess = partition_excess(problem, PhaseLevels.of(self.job.ctx.analyses.get(memory_timeline, step)), decisions)
-        own = problem.with_schedule_excess(excess["forward"], excess["backward"])
-        return TorchLevels(decisions, GraphLevels.of(own, decisions))
+        return TorchLevels.of(problem, decisions, partition_excess(
+            problem, PhaseLevels.of(self.job.ctx.analyses.get(memory_timeline, step)), decisions))
 
 
 def resident_backward_inputs(step: Schedule, live: Any) -> frozenset[str]:
