@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from typing import Any, ClassVar, Protocol, TypeVar
 
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from dpcs_compiler.heap import paused_collector
 from dpcs_compiler.passes.analysis.schedule import Schedule
@@ -134,12 +135,20 @@ class Rewrite(abc.ABC):
 _DYNAMO_MODULE_ATTRIBUTES = ("_param_name_to_source", "_source_to_user_stacks", "compile_subgraph_reason")
 
 
+def lazy_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A graph module over a deep copy of `gm`'s graph whose Python code is generated only when it is run or
+    its code read (torch's `_LazyGraphModule`, as Dynamo and Inductor make theirs): most copies dpcs makes are
+    partitioned, analysed or handed to AOTAutograd, never run as they are. Generating the code of each copy
+    took 0.8 s of the first steps of a 12-layer Hugging Face GPT-2 with a budget (benchmarks/compile_time.py)."""
+    return _LazyGraphModule(gm, copy.deepcopy(gm.graph))
+
+
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of a graph module to rewrite or compile that compiles as the original does: a new graph (rewrites
-    and Inductor mutate the graph they are given), and, for a Dynamo graph, Dynamo's metadata. Without that metadata AOTAutograd takes the copy for an exported
-    graph with no static input, and torch's min-cut partitions it differently (measured: 8 KiB more at the
-    bench GPT's peak than `torch.compile`)."""
-    copied = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    and Inductor mutate the graph they are given; `lazy_copy`), and, for a Dynamo graph, Dynamo's metadata.
+    Without that metadata AOTAutograd takes the copy for an exported graph with no static input, and torch's
+    min-cut partitions it differently (measured: 8 KiB more at the bench GPT's peak than `torch.compile`)."""
+    copied = lazy_copy(gm)
     copied.meta.update(gm.meta)
     for name in _DYNAMO_MODULE_ATTRIBUTES:
         if hasattr(gm, name):

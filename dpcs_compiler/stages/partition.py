@@ -3,7 +3,6 @@ and backward graphs, offload ops, and the simulated memory of the partitioned st
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -22,6 +21,7 @@ from dpcs_compiler.passes.analysis import (
     op_cost,
 )
 from dpcs_compiler.passes.analysis.inductor_schedule import probe_available
+from dpcs_compiler.passes.infra import lazy_copy
 from dpcs_compiler.passes.analysis.planning import (
     RUNTIME_ALLOWANCE_BYTES,
     PlanningGraph,
@@ -214,7 +214,7 @@ class JointPartitioner(CustomPartitionerFn):
         terms (`stages/memory_plan.TorchPartition`): a candidate is saved if torch saves a value pointing into
         its buffer (or it cannot be made again), else recomputed; and what its partitioned graphs hold beyond
         the model of those decisions."""
-        copied = fx.GraphModule(joint, copy.deepcopy(joint.graph))
+        copied = lazy_copy(joint)
         forward, backward = self.min_cut(copied, None, joint_inputs, kwargs)
         decisions = torch_decisions(joint, forward, kwargs["num_fwd_outputs"], planning, self.job.problem)
         analyses = self.step_analyses(forward, backward, kwargs["num_fwd_outputs"])
@@ -227,7 +227,7 @@ class JointPartitioner(CustomPartitionerFn):
         graph and problem these are) in the step planner's terms: its decisions, and the levels of its
         partitioned graphs as `compiler` runs them (`GraphStep.torch_partition`)."""
         num_fwd_outputs = kwargs["num_fwd_outputs"]
-        forward, backward = self.min_cut(fx.GraphModule(joint, copy.deepcopy(joint.graph)), None, (), kwargs)
+        forward, backward = self.min_cut(lazy_copy(joint), None, (), kwargs)
         decisions = torch_decisions(joint, forward, num_fwd_outputs, planning, problem)
         step = self.job.as_compiled(
             Schedule.of_partition(forward, backward, num_user_outputs=num_fwd_outputs,

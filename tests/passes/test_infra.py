@@ -189,3 +189,27 @@ def test_instruments_are_called_before_and_after_every_pass_in_order():
         ("after", "step", "analyses", None, True),
     ]
     assert first.calls == second.calls == expected
+
+
+def test_a_copied_graph_module_generates_its_code_only_when_run_or_read_and_runs_as_the_original():
+    """`copy_graph_module` (and `lazy_copy`): a new graph (rewrites of the copy leave the original as it is),
+    whose Python code is generated when it is run or its code read, not when it is made (most copies are only
+    partitioned or analysed), and which then runs as the original does."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    from dpcs_compiler.passes.infra import copy_graph_module
+
+    original = fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))
+    copied = copy_graph_module(original)
+    assert isinstance(copied, _LazyGraphModule) and copied._needs_recompile()
+    assert copied.graph is not original.graph
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(copied(x), original(x))
+    assert not copied._needs_recompile()
+    relu = next(n for n in copied.graph.nodes if n.op == "call_module" and n.target == "1")
+    with copied.graph.inserting_after(relu):
+        doubled = copied.graph.call_function(torch.mul, (relu, 2.0))
+    relu.replace_all_uses_with(doubled, delete_user_cb=lambda user: user is not doubled)
+    copied.recompile()
+    assert "mul" in copied.code and "mul" not in original.code
+    torch.testing.assert_close(copied(x), 2 * original(x))

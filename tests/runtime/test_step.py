@@ -403,3 +403,46 @@ def test_what_a_call_keeps_for_a_recomputation_is_not_held_before_the_next_calls
     held = [call("b", {shared: 20}, {shared: 20}), call("c", {shared: 20}, {shared: 20})]  # read by its backward
     shape, _ = STEPS._shape(held, {})
     assert shape.inputs_held_before == (0, 20) and shape.held_twice == (0, 20)
+
+
+def test_garbage_is_collected_before_a_backward_after_dynamo_compiled_not_after_variants_compiled(monkeypatch):
+    """Dynamo's compile leaves reference cycles that can hold a graph's output the loop has dropped, so the
+    first backward after Dynamo compiled frames collects garbage before it reads what the step freed; the
+    compile of a graph's variant between steps left none (benchmarks/compile_time.py), and a full collection
+    costs 0.4-0.8 s in a large process, so a step in which only variants compiled reads without one."""
+    import gc
+
+    import dpcs_compiler.runtime.step as step
+    from dpcs_compiler import Runtime
+    from dpcs_compiler.report import compile_count
+
+    collected = []
+
+    class Collector:
+        @staticmethod
+        def collect(*args):
+            collected.append(compile_count())
+            return gc.collect(*args)
+
+    monkeypatch.setattr(step, "gc", Collector)
+    model = BranchingNet(d=128, blocks=1)
+    compiled = dpcs_compile(model, memory_budget=10**9)
+    runtime = Runtime(model, policies=[])
+
+    def train(x, steps):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for _ in range(steps):
+                model.zero_grad(set_to_none=True)
+                compiled(x).square().mean().backward()  # the last graph's output, 128 KiB, kept by square's backward
+                runtime.step()
+
+    x = torch.randn(256, 128)
+    train(x, 3)
+    assert len(collected) == 1  # the first step's: Dynamo compiled its three graphs
+    compiles = compile_count()
+    runtime.force_precision("bf16")
+    train(x, 2)
+    assert compile_count() > compiles and len(collected) == 1  # variants compiled, Dynamo compiled nothing
+    train(torch.randn(200, 128), 2)  # another batch size: Dynamo compiles the graphs again
+    assert len(collected) == 2
