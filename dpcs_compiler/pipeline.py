@@ -30,6 +30,7 @@ import torch.fx as fx
 
 from dpcs_compiler.options import DpcsOptions
 from dpcs_compiler.passes.analysis.tensor_bytes import size_hints
+from dpcs_compiler.report import note_compile_raised
 from dpcs_compiler.stages.compile_parts import PartCompiler, aot_compile
 from torch._inductor.exc import InductorError
 
@@ -62,14 +63,16 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: D
             job.check_ranks_agree()
             return compiled
         except InductorError as error:
-            # Raised from inside Inductor's scheduler (`ScheduledPeakProbe.check`): dpcs's own answer.
-            inner = error.inner_exception
-            if not isinstance(inner, ScheduleOverBudget):
-                if isinstance(inner, BudgetInfeasibleError):
-                    raise inner from None
+            # Raised from inside Inductor's scheduler (`ScheduledPeakProbe.check`): dpcs's own answer. Read
+            # from the error, not kept in a local: the error's traceback holds this frame (a reference cycle).
+            note_compile_raised()
+            if not isinstance(error.inner_exception, ScheduleOverBudget):
+                if isinstance(error.inner_exception, BudgetInfeasibleError):
+                    raise error.inner_exception from None
                 raise
-            _count_replan(job, inner)
+            _count_replan(job, error.inner_exception)
         except ScheduleOverBudget as over:
+            note_compile_raised()
             _count_replan(job, over)
         finally:
             job.replanning = False

@@ -89,6 +89,22 @@ def compile_count() -> int:
     return _ADDED[0]
 
 
+_RAISED = [0]  # compiles that raised inside dpcs, a re-plan's included (`compiles_raised`)
+
+
+def compiles_raised() -> int:
+    """How many dpcs compiles raised an exception it caught, or that it let through (a re-plan, a variant that
+    failed), in this process (counting up, never reset): an exception caught in a frame that keeps it (or
+    whose traceback holds that frame) makes a reference cycle, which holds the frames that called the compile
+    and their locals (a graph's inputs, a model's activations) until a garbage collection
+    (`runtime/step.py::_compile_marks`)."""
+    return _RAISED[0]
+
+
+def note_compile_raised() -> None:
+    _RAISED[0] += 1
+
+
 def add_record(record: CompileRecord) -> None:
     """Add a record; one for a later attempt at the same Dynamo compile replaces the discarded attempt's."""
     _ADDED[0] += 1

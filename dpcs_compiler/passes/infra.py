@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from typing import Any, ClassVar, Protocol, TypeVar
 
 import torch.fx as fx
-from torch.fx._lazy_graph_module import _LazyGraphModule
+from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
 from dpcs_compiler.heap import paused_collector
 from dpcs_compiler.passes.analysis.schedule import Schedule
@@ -139,8 +139,12 @@ def lazy_copy(gm: fx.GraphModule) -> fx.GraphModule:
     """A graph module over a deep copy of `gm`'s graph whose Python code is generated only when it is run or
     its code read (torch's `_LazyGraphModule`, as Dynamo and Inductor make theirs): most copies dpcs makes are
     partitioned, analysed or handed to AOTAutograd, never run as they are. Generating the code of each copy
-    took 0.8 s of the first steps of a 12-layer Hugging Face GPT-2 with a budget (benchmarks/compile_time.py)."""
-    return _LazyGraphModule(gm, copy.deepcopy(gm.graph))
+    took 0.8 s of the first steps of a 12-layer Hugging Face GPT-2 with a budget (benchmarks/compile_time.py).
+    A plain graph module where Dynamo's `use_lazy_graph_module` is off, or torch skips lazy ones."""
+    from torch._dynamo import config as dynamo_config
+
+    with _use_lazy_graph_module(dynamo_config.use_lazy_graph_module):
+        return _make_graph_module(gm, copy.deepcopy(gm.graph))
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:

@@ -72,7 +72,7 @@ from dpcs_compiler.heap import paused_collector
 from dpcs_compiler.passes.analysis.planning import Freeable, StepSharing
 from dpcs_compiler.measure import BEFORE_PROFILING, CpuMemoryProfile, optimizer_state_bytes
 from dpcs_compiler.files import write_text_atomic
-from dpcs_compiler.report import _ON_CLEAR, STEPS_FILE, StepRecord, add_step_record
+from dpcs_compiler.report import _ON_CLEAR, STEPS_FILE, StepRecord, add_step_record, compiles_raised
 from dpcs_compiler.cost.budget import torch_plan_limit
 from dpcs_compiler.cost.memory_model import MemoryProblem, plan_seconds
 from dpcs_compiler.cost.model_state import (
@@ -158,8 +158,8 @@ class _Call:
     def backward_starts(self, calls: Sequence[_Call], collect: bool) -> None:
         """Its backward starts: read which of its droppable buffers the step has freed, and what the others'
         still hold; with `collect`, after a garbage collection if outputs worth a correction are alive (a step in
-        which Dynamo compiled frames leaves reference cycles, which can hold a graph's output the loop has dropped;
-        `_dynamo_frames`)."""
+        which Dynamo compiled frames, or a compile raised, leaves reference cycles, which can hold a graph's output
+        the loop has dropped; `_compile_marks`)."""
         if collect and _alive_elsewhere(calls, None, set(), outputs_only=True) >= CORRECTION_MIN_BYTES:
             gc.collect()
         index = next((i for i, c in enumerate(calls) if c is self), len(calls))
@@ -209,7 +209,7 @@ class StepRecorder:
                 meter.discard()  # a measurement under way or waiting is dropped (no collective here)
         self.participants: weakref.WeakSet[GraphDispatcher] = weakref.WeakSet()
         self.calls: list[_Call] = []
-        self.traced = _dynamo_frames()  # read at the last step end or garbage collection (`_Call.backward_starts`)
+        self.marks = _compile_marks()  # read at the last step end or garbage collection (`_Call.backward_starts`)
         self.glanced: list[str] = []  # graph names called since watching stopped (`glance`)
         self.pending = 0
         self.partial = False
@@ -293,7 +293,7 @@ class StepRecorder:
 
     def _reset(self) -> None:
         self.calls, self.pending = [], 0
-        self.traced = _dynamo_frames()
+        self.marks = _compile_marks()
         self.optimizer_key, self.optimizer_seen = None, {}
 
     def call(self, dispatcher: GraphDispatcher, args: Sequence[Any]) -> Any:
@@ -412,7 +412,8 @@ class StepRecorder:
         # A pre-hook, not a hook: the engine keeps a node's gradient inputs alive through the node for its hooks,
         # which would hold the graph's incoming gradient for all its backward (a watched step would peak higher).
         def backward_starts(*_: Any) -> None:
-            collect, self.traced = self.traced != _dynamo_frames(), _dynamo_frames()  # once per Dynamo compile
+            now = _compile_marks()  # collected once after Dynamo compiled, or a compile raised
+            collect, self.marks = _marks_changed(self.marks, now), now
             call.backward_starts(self.calls, collect=collect)
             self._backward_starts()
 
@@ -1223,15 +1224,22 @@ def _droppable(sharing: StepSharing | None, args: Sequence[Any], outputs: Sequen
     return tuple(found)
 
 
-def _dynamo_frames() -> int:
-    """Frames Dynamo has set out to compile in this process (its own counter; a reset of Dynamo's counters
-    changes it too). A full garbage collection takes 0.4-0.8 s on a 12-layer Hugging Face GPT-2 process, and
-    only Dynamo's compile left cycles that hold a graph's output: the compile of a plan's variant, between
-    steps, left none (measured on benchmarks/compile_time.py: 51.5 MB of outputs alive before and after it,
-    the loss graph's logits its backward reads), so a step that compiled only variants is read without one."""
+def _compile_marks() -> tuple[Any, int, int]:
+    """What tells that a compile may have left reference cycles holding a graph's output since it was read:
+    the frames Dynamo set out to compile (its own counter, and the counter itself: clearing Dynamo's counters
+    makes another), and the dpcs compiles that raised (`report.compiles_raised`: a re-plan, a failed variant).
+    A full garbage collection takes 0.4-0.8 s in a 12-layer Hugging Face GPT-2 process, and a variant compiled
+    between steps without either left none (measured on benchmarks/compile_time.py: 51.5 MB of outputs alive
+    before and after it, the loss graph's logits its backward reads), so a step that only compiled variants
+    is read without one (`_marks_changed`)."""
     from torch._dynamo.utils import counters
 
-    return counters["frames"]["total"]
+    frames = counters["frames"]
+    return frames, frames["total"], compiles_raised()
+
+
+def _marks_changed(before: tuple[Any, int, int], now: tuple[Any, int, int]) -> bool:
+    return before[0] is not now[0] or before[1:] != now[1:]
 
 
 def _alive_elsewhere(calls: Sequence[_Call], this: _Call | None, counted: set[int], *, outputs_only: bool = False) -> int:

@@ -42,7 +42,7 @@ from dpcs_compiler.options import DpcsOptions, Fp8Options
 from dpcs_compiler.passes.analysis.op_sites import module_stack
 from dpcs_compiler.passes.infra import copy_graph_module
 from dpcs_compiler.rank_agreement import graph_fingerprint
-from dpcs_compiler.report import CompileRecord, compile_records, records_since
+from dpcs_compiler.report import CompileRecord, compile_records, note_compile_raised, records_since
 from dpcs_compiler.runtime.decisions import Decisions
 from dpcs_compiler.stages.job import job_of
 
@@ -495,6 +495,9 @@ class GraphDispatcher:
 
             if not isinstance(error, RestartAnalysis):
                 self._note_compile(decisions, records, time.perf_counter() - start, error)
+            if error is not None:
+                note_compile_raised()
+            error = None  # the error's traceback holds this frame: not kept in it (a reference cycle)
         self.variants[key] = fn
         self.records[key] = records
         self.jobs[key] = [job_of(r.graph) for r in records]

@@ -386,6 +386,7 @@ def test_gelu_outputs_are_recomputed_before_any_matmul(monkeypatch):
 def test_a_re_plan_the_solver_finds_over_is_judged_by_its_own_compiled_graphs(monkeypatch):
     """The first plan's graphs hold so much more that no plan fits with that much less room: the lowest
     plan is compiled anyway and, holding no more than its model by its own graphs, fits (no error)."""
+    from dpcs_compiler.report import compiles_raised
     from dpcs_compiler.stages.compile_parts import PartCompiler
 
     w = gpt_workload()
@@ -399,8 +400,10 @@ def test_a_re_plan_the_solver_finds_over_is_judged_by_its_own_compiled_graphs(mo
         return check(self, phase, scheduled)
 
     monkeypatch.setattr(PartCompiler, "check_schedule", first_plan_over)
+    raised = compiles_raised()
     result, record = measured_step(w, "inductor", memory_budget=budget)  # on_infeasible="error"
     assert record.replans == 1 and record.plan_feasible
+    assert compiles_raised() == raised + 1  # the step recorder collects garbage after it (`runtime/step.py`)
     assert result.measured_peak_bytes <= record.predicted_peak_bytes * 1.05 and result.measured_peak_bytes <= budget
 
 

@@ -446,3 +446,23 @@ def test_garbage_is_collected_before_a_backward_after_dynamo_compiled_not_after_
     assert compile_count() > compiles and len(collected) == 1  # variants compiled, Dynamo compiled nothing
     train(torch.randn(200, 128), 2)  # another batch size: Dynamo compiles the graphs again
     assert len(collected) == 2
+
+
+def test_a_compile_that_raised_or_cleared_dynamo_counters_count_as_compiles_that_may_leave_cycles():
+    """A re-plan or a failed variant (`report.compiles_raised`) may leave a reference cycle through its error's
+    traceback, which holds the frames that called the compile: the next backward collects. Clearing Dynamo's
+    counters makes another counter, even where it counts as many frames again."""
+    from torch._dynamo.utils import counters
+
+    import dpcs_compiler.runtime.step as step
+    from dpcs_compiler.report import note_compile_raised
+
+    before = step._compile_marks()
+    assert not step._marks_changed(before, step._compile_marks())
+    note_compile_raised()
+    assert step._marks_changed(before, step._compile_marks())
+    before = step._compile_marks()
+    total = before[1]
+    counters.clear()
+    counters["frames"]["total"] = total
+    assert step._marks_changed(before, step._compile_marks())
