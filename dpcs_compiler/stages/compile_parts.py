@@ -23,7 +23,7 @@ from dpcs_compiler.passes.analysis.inductor_schedule import (
 from dpcs_compiler.passes.analysis.tensor_bytes import size_hints
 from dpcs_compiler.passes.infra import Rewrite, copy_graph_module
 from dpcs_compiler.passes.rewrite.backward_order import apply_order, sunk_order
-from dpcs_compiler.passes.rewrite.fusion_guard import planned_fusion_choices
+from dpcs_compiler.passes.rewrite.fusion_guard import planned_fusion_choices, scheduled_under_each_rule
 from dpcs_compiler.passes.rewrite.overflow_check import OverflowCheck
 from dpcs_compiler.stages.job import GraphJob, has_symbolic_shapes
 from dpcs_compiler.stages.partition import JointPartitioner
@@ -39,9 +39,8 @@ INFERENCE_REWRITES: tuple[Rewrite, ...] = ()
 class _Scheduled(Exception):
     """Ends a candidate's compile once Inductor has scheduled it (`PartCompiler.lowest_scheduled_backward`)."""
 
-    def __init__(self, peak: ScheduledPeak) -> None:
+    def __init__(self) -> None:
         super().__init__("scheduled")
-        self.peak = peak
 
 
 @contextlib.contextmanager
@@ -163,39 +162,44 @@ class PartCompiler:
         return self.compile_planned(kind, gm, example_inputs, *args, producers_apart=producers_apart, **kwargs)
 
     def compile_planned(self, kind: str, gm: fx.GraphModule, example_inputs: Sequence[Any], *args: Any,
-                        producers_apart: bool = False, gate: Callable[[ScheduledPeak, Any], bool] | None = None,
+                        producers_apart: bool = False, gate: Callable[[dict[bool, int]], bool] | None = None,
                         **kwargs: Any):
         """compile_fx_inner on a planned graph: lowered as planned (`lowering_as_planned`) and its schedule
         held to the budget (`check_schedule`) as soon as Inductor has fused it.
 
-        `gate`: called first at that point, with the schedule and the fusion guard; False ends the compile
-        there (`_Scheduled`, raised, possibly inside Inductor's `InductorError`), True lets it go on. A graph
-        whose schedule is not read is compiled without asking it, and returned as it is (the caller, not asked,
-        does not use it)."""
+        `gate` (a candidate backward, `lowest_scheduled_backward`): the graph is scheduled from one lowering
+        under both fusion rules where they differ (`scheduled_under_each_rule`; `producers_apart` is not read),
+        and `gate` is given each rule's scheduled increase above the start, {producers apart: bytes}: it returns
+        the rule to go on with, or raises `_Scheduled` (possibly inside Inductor's `InductorError`), which ends
+        the compile there. A graph whose schedule is not read is compiled with Inductor's fusions without
+        asking it, and returned as it is (the caller, not asked, does not use it)."""
         from torch._inductor.compile_fx import compile_fx_inner
 
-        # A candidate (gated) counts the fusions the producer/consumer rule would refuse (`lowest_scheduled_backward`).
-        counting = gate is not None and not producers_apart
-        with lowering_as_planned(self.job.plan.torch_plan, producers_apart, counting) as guard, \
+        with lowering_as_planned(self.job.plan.torch_plan, producers_apart, gate is not None) as guard, \
                 contextlib.ExitStack() as stack:
             probe = None
             if kind in self.job.graph_inputs and probe_available():
                 resident, present = self.job.graph_inputs[kind]
-
-                def check(peak: ScheduledPeak) -> None:
-                    if gate is not None and not gate(peak, guard):
-                        raise _Scheduled(peak)
-                    self.check_schedule(kind, peak)
-
                 # Checked as soon as Inductor has fused it: a plan over the budget is re-made before any code
                 # is generated for it.
                 probe = stack.enter_context(probe_scheduled_peak(
-                    resident=resident, present=present, check=check, workspace=self.job.kernel_workspace,
+                    resident=resident, present=present, workspace=self.job.kernel_workspace,
+                    check=None if gate is not None else lambda peak: self.check_schedule(kind, peak),
                 ))
+                if gate is not None:
+                    def choose(readings: dict[bool, tuple[ScheduledPeak, Any]]) -> bool:
+                        apart = gate({rule: peak.increase_bytes for rule, (peak, _) in readings.items()})
+                        probe.checked = readings[apart][0]
+                        self.check_schedule(kind, probe.checked)
+                        return apart
+
+                    rules = stack.enter_context(scheduled_under_each_rule(probe, choose))
             stack.enter_context(without_unused_repro_copy())
             compiled = compile_fx_inner(gm, example_inputs, *args, **kwargs)
-        if gate is not None and (probe is None or probe.checked is None):
-            return compiled  # not asked: a candidate the caller does not use (`_candidate`)
+        if gate is not None:
+            if probe is None or probe.checked is None:
+                return compiled  # not asked: a candidate the caller does not use (`_candidate`)
+            guard = next(g for peak, g in rules.values() if peak is probe.checked)
         self.job.record.fusions_refused += guard.refused if guard is not None else 0
         if probe is None:
             # The partitioned graphs were held to the budget instead (`JointPartitioner`).
@@ -228,14 +232,13 @@ class PartCompiler:
         lowers the bench Llama's lowest plan by 1 MB and raises Hugging Face GPT-2's by 5 MB). Only for plans
         over their budget, where a lower peak is what is missing.
 
-        Each candidate is scheduled (lowered and fused) and the lowest kept, ties going to autograd's order and
-        Inductor's fusions. Candidates are scheduled in that order of precedence, each order with Inductor's
-        fusions first; the guard's rule is scheduled only where it would refuse a fusion (else it schedules the
-        same). The last candidate is lowered as the compile itself: if it is the lowest when its schedule is
-        read, code is generated for it and it is returned compiled, else it stops there and the lowest is
-        compiled after. So one more lowering of the backward where nothing else is to be scheduled, two where
-        the rule changes the schedule, up to four more with the sunk order. The choice is the record's
-        `backward_order` and `backward_fusion`, which the compile reads.
+        Each order is lowered once and scheduled under both rules from that lowering (the guard's rule only
+        where it would refuse a fusion, else it schedules the same: `scheduled_under_each_rule`), and the
+        lowest kept, ties going to autograd's order and Inductor's fusions. The last order is lowered as the
+        compile itself: if its lower rule is the lowest of all, code is generated for it and it is returned
+        compiled, else it stops there and the lowest is compiled after. So no more lowering of the backward
+        where the last order is the lowest, one more otherwise. The choice is the record's `backward_order`
+        and `backward_fusion`, which the compile reads.
 
         Returns the backward to compile and None, or the chosen backward and its compiled form."""
         job, started = self.job, time.perf_counter()
@@ -263,34 +266,29 @@ class PartCompiler:
             note_scheduled()
 
         for name, graph in orders.items():
-            for apart in (False, True):
-                read: list[bool] = []  # whether the guard's rule refuses (or would refuse) a fusion here
+            read: list[bool] = []  # whether this order's schedules were read
 
-                def gate(peak: ScheduledPeak, guard: Any, name: str = name, apart: bool = apart,
-                         read: list[bool] = read) -> bool:
-                    """Whether this candidate is the one to compile: the last to schedule (the rule, not
-                    scheduled yet, would change nothing), and lower than every candidate before it."""
-                    earlier = list(peaks.values())
-                    refuses = guard is None or (guard.refused_vertical if apart else guard.would_refuse_vertical) > 0
-                    peaks[(name, apart)] = peak.increase_bytes
-                    read.append(refuses)
-                    last = name == last_order and (apart or not refuses)
-                    if last and None not in earlier and all(peak.increase_bytes < p for p in earlier):
-                        # The time spent choosing ends here; code generation is the compile's own.
-                        job.ctx.account("backward", "order_by_schedule", time.perf_counter() - started)
-                        self.compiling_chosen = True
-                        choose(name, apart)
-                        return True
-                    return False
+            def gate(increases: dict[bool, int], name: str = name, read: list[bool] = read) -> bool:
+                """This order's lower rule if this order is the one to compile: the last, and lower than every
+                order before it; else the compile ends here (`_Scheduled`)."""
+                earlier = list(peaks.values())
+                peaks.update(((name, rule), increase) for rule, increase in increases.items())
+                read.append(True)
+                apart = min(increases, key=increases.__getitem__)  # the first of the lowest
+                if name == last_order and None not in earlier and all(increases[apart] < p for p in earlier):
+                    # The time spent choosing ends here; code generation is the compile's own.
+                    job.ctx.account("backward", "order_by_schedule", time.perf_counter() - started)
+                    self.compiling_chosen = True
+                    choose(name, apart)
+                    return apart
+                raise _Scheduled()
 
-                compiled = self._candidate(graph, example_inputs, gate, *args, producers_apart=apart, **kwargs)
-                if compiled is not None and read:  # it went on past its schedule: the chosen one
-                    return graph, compiled
-                if not read:  # its schedule was not read: the plan compiles as it is
-                    peaks[(name, apart)] = None
-                    break
-                if not apart and not read[0]:  # the rule would refuse nothing: it schedules the same
-                    break
+            compiled = self._candidate(graph, example_inputs, gate, *args, **kwargs)
+            if compiled is not None and read:  # it went on past its schedule: the chosen one
+                return graph, compiled
+            if not read:  # its schedule was not read: the plan compiles as it is
+                peaks[(name, False)] = None
+                break
         if None in peaks.values():  # a schedule not read: the plan compiles as it is
             note_scheduled()
             return gm, None
@@ -298,16 +296,15 @@ class PartCompiler:
         choose(name, apart)
         return orders[name], None
 
-    def _candidate(self, gm: fx.GraphModule, example_inputs: Sequence[Any], gate: Callable[[ScheduledPeak, Any], bool],
-                   *args: Any, producers_apart: bool = False, **kwargs: Any) -> Any:
-        """One candidate backward (a copy of `gm`) compiled up to Inductor's schedule, where `gate` decides:
-        the compiled graph if it let the compile go on, None if it stopped it. A compile whose schedule is not
-        read (no kernels) returns without asking `gate`; its caller does not use it."""
+    def _candidate(self, gm: fx.GraphModule, example_inputs: Sequence[Any], gate: Callable[[dict[bool, int]], bool],
+                   *args: Any, **kwargs: Any) -> Any:
+        """One candidate backward (a copy of `gm`) compiled up to Inductor's schedules under both fusion rules,
+        where `gate` decides: the compiled graph if it let the compile go on, None if it stopped it. A compile
+        whose schedule is not read (no kernels) returns without asking `gate`; its caller does not use it."""
         from torch._inductor.exc import InductorError
 
         try:
-            return self.compile_planned("backward", copy_graph_module(gm), example_inputs, *args,
-                                        producers_apart=producers_apart, gate=gate, **kwargs)
+            return self.compile_planned("backward", copy_graph_module(gm), example_inputs, *args, gate=gate, **kwargs)
         except InductorError as error:
             if isinstance(error.inner_exception, _Scheduled):
                 return None

@@ -189,8 +189,9 @@ def test_inductor_llama_plans_stay_within_budget_and_predict_the_peak():
 @pytest.mark.inductor
 def test_inductor_lowest_plan_compiles_the_backward_inductor_schedules_lowest(monkeypatch):
     """Over its budget, a plan's backward is scheduled with Inductor's producer/consumer fusions and with the
-    fusion guard keeping producers apart, and the lower is compiled (`PartCompiler.lowest_scheduled_backward`):
-    on the bench Llama the rule lowered the lowest plan by 0.96 MB, on Hugging Face GPT-2 it would raise it."""
+    fusion guard keeping producers apart, from one lowering, and the lower is compiled
+    (`PartCompiler.lowest_scheduled_backward`): on the bench Llama the rule lowered the lowest plan by
+    0.96 MB, on Hugging Face GPT-2 it would raise it."""
     w = bench_workload("llama", quick=True)
     with backward_lowerings(monkeypatch) as lowerings:
         result, record = measured_step(w, "inductor", memory_budget=1, on_infeasible="best")
@@ -198,8 +199,8 @@ def test_inductor_lowest_plan_compiles_the_backward_inductor_schedules_lowest(mo
     assert list(scheduled) == ["autograd", "autograd, producers apart"], scheduled  # Inductor's fusions first
     chosen = record.backward_order + (", producers apart" if record.backward_fusion == "producers apart" else "")
     assert scheduled[chosen] == min(scheduled.values()), (chosen, scheduled)
-    # The last candidate scheduled is compiled as it is when it is the lowest: no lowering for the compile.
-    assert lowerings[0] == lowerings_expected(record) == 2 + (chosen != "autograd, producers apart"), (lowerings, record)
+    # Both rules are scheduled from one lowering, and the lower compiled from it: no lowering for the compile.
+    assert lowerings[0] == lowerings_expected(record) == 1, (lowerings, record)
     assert record.pass_seconds["backward/order_by_schedule"] > 0
     assert abs(record.predicted_peak_bytes - result.measured_peak_bytes) <= 0.01 * result.measured_peak_bytes, (
         result, record)

@@ -12,7 +12,7 @@ from torch._inductor.utils import run_and_get_code
 from torch.testing import FileCheck
 
 from dpcs_compiler.measure import measure_peak_memory
-from dpcs_compiler.passes.rewrite.fusion_guard import planned_fusion_choices
+from dpcs_compiler.passes.rewrite.fusion_guard import planned_fusion_choices, scheduled_under_each_rule
 
 N = 256
 BUFFER = N * N * 4
@@ -111,3 +111,89 @@ def test_guard_keeps_a_producer_read_early_apart_from_its_later_consumer():
     # on, it refuses them instead.
     assert would[False] >= 1 and would[True] == 0, would
     assert peaks[False] - peaks[True] >= BUFFER - 4096, peaks
+
+
+def lowered_and_scheduled(monkeypatch, rule: bool | None, keep: bool = True):
+    """producer_read_early compiled with Inductor, its schedule read by the probe: under one rule (`rule`:
+    producers apart or not), or from one lowering under both, keeping the scheduler of `keep` (None)."""
+    from torch._inductor.graph import GraphLowering
+
+    from dpcs_compiler.passes.analysis.inductor_schedule import probe_scheduled_peak
+
+    lowerings = [0]
+    run = GraphLowering.run
+
+    def counted(self, *args):
+        lowerings[0] += 1
+        return run(self, *args)
+
+    monkeypatch.setattr(GraphLowering, "run", counted)
+    torch._dynamo.reset()
+    inputs = [torch.randn(N, N, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    compiled = torch.compile(producer_read_early, backend="inductor", dynamic=False)
+    asked = []
+
+    def choose(readings):
+        asked.append({rule: peak for rule, (peak, _) in readings.items()})
+        return keep
+
+    with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True), \
+            probe_scheduled_peak() as probe, planned_fusion_choices(keep_producers_apart=bool(rule)), \
+            scheduled_under_each_rule(probe, choose) if rule is None else contextlib.nullcontext():
+        outputs, (code,) = run_and_get_code(compiled, *inputs)
+    with torch.no_grad():
+        _, peak = measure_peak_memory(compiled, *inputs)
+    torch.testing.assert_close(outputs, producer_read_early(*inputs), **TOLERANCE)
+    monkeypatch.setattr(GraphLowering, "run", run)
+    return list(probe.peaks), asked, code, peak.peak_increase_bytes, lowerings[0]
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("keep", [True, False], ids=["producers_apart", "inductor_fusions"])
+def test_both_rules_scheduled_from_one_lowering_read_and_run_as_each_rule_lowered_alone(monkeypatch, keep):
+    """`scheduled_under_each_rule` lowers the graph once and schedules it under both rules: each reading equals
+    that rule's own compile's, and the rule chosen (either: Inductor's fusions are scheduled first, so keeping
+    them generates code from a scheduler made before the other) generates that rule's code, measures that
+    rule's peak and gives eager's outputs."""
+    alone = {rule: lowered_and_scheduled(monkeypatch, rule) for rule in (False, True)}
+    readings, asked, code, peak, lowerings = lowered_and_scheduled(monkeypatch, None, keep)
+    assert lowerings == 1 and all(alone[rule][4] == 1 for rule in alone), (lowerings, alone)
+    assert len(asked) == 1 and asked[0] == {False: alone[False][0][0], True: alone[True][0][0]}, (asked, alone)
+    assert asked[0][False].increase_bytes > asked[0][True].increase_bytes, asked  # the rule changes the schedule
+    assert readings == alone[keep][0] and readings[0] is asked[0][keep], readings  # the other reading is taken off
+    if keep:  # e's kernel, the weight gradient's matmul, the second matmul, then the consumer's kernel
+        FileCheck().check("cpp_fused_mul_relu").check("extern_kernels.mm").check("extern_kernels.mm").check(
+            "cpp_fused").check("extern_kernels.mm").run(code)
+    else:  # one kernel for e and the consumer, after the second matmul
+        FileCheck().check("extern_kernels.mm").check("cpp_fused_add_mul_relu").check("extern_kernels.mm").run(code)
+    assert peak == alone[keep][3], (peak, alone[keep][3])
+
+
+@pytest.mark.inductor
+def test_a_graph_the_rule_changes_nothing_in_is_scheduled_once():
+    """Where the rule would refuse no fusion, the graph is scheduled once, with Inductor's fusions."""
+    from dpcs_compiler.passes.analysis.inductor_schedule import probe_scheduled_peak
+
+    def neighbours(a, b):
+        return (a.sin() * b).sum(dim=0), (a.cos() + b).sum(dim=0)
+
+    torch._dynamo.reset()
+    inputs = [torch.randn(N, N) for _ in range(2)]
+    asked = []
+    with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True), probe_scheduled_peak() as probe, \
+            scheduled_under_each_rule(probe, lambda readings: asked.append(dict(readings)) or False):
+        outputs = torch.compile(neighbours, backend="inductor")(*inputs)
+    torch.testing.assert_close(outputs, neighbours(*inputs), **TOLERANCE)
+    assert len(asked) == 1 and list(asked[0]) == [False] and asked[0][False][1].would_refuse_vertical == 0, asked
+    assert len(probe.peaks) == 1, probe.peaks
+
+
+@pytest.mark.inductor
+def test_a_rule_not_scheduled_is_refused_by_name():
+    from dpcs_compiler.passes.analysis.inductor_schedule import probe_scheduled_peak
+
+    torch._dynamo.reset()
+    inputs = [torch.randn(N, N) for _ in range(4)]
+    with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True), probe_scheduled_peak() as probe, \
+            scheduled_under_each_rule(probe, lambda readings: "apart"), pytest.raises(Exception, match="'apart'"):
+        torch.compile(producer_read_early, backend="inductor", dynamic=False)(*inputs)
