@@ -225,20 +225,30 @@ def recomputed_matmuls(monkeypatch):
 
 @contextlib.contextmanager
 def backward_lowerings(monkeypatch):
-    """Counts Inductor's compiles (lowerings) of backward graphs: each candidate backward dpcs schedules, and
-    the backward it compiles."""
+    """Counts Inductor's lowerings of backward graphs to its IR (`GraphLowering.run` inside a backward's
+    compile_fx_inner): each candidate backward dpcs schedules, and the backward it compiles."""
     import torch._inductor.compile_fx as compile_fx
+    from torch._inductor.graph import GraphLowering
 
-    count = [0]
-    real = compile_fx.compile_fx_inner
+    count, backward = [0], [False]
+    real, run = compile_fx.compile_fx_inner, GraphLowering.run
 
     def counted(gm, example_inputs, *args, **kwargs):
-        count[0] += bool(kwargs.get("is_backward"))
-        return real(gm, example_inputs, *args, **kwargs)
+        backward[0] = bool(kwargs.get("is_backward"))
+        try:
+            return real(gm, example_inputs, *args, **kwargs)
+        finally:
+            backward[0] = False
+
+    def lowered(self, *args):
+        count[0] += backward[0]
+        return run(self, *args)
 
     monkeypatch.setattr(compile_fx, "compile_fx_inner", counted)
+    monkeypatch.setattr(GraphLowering, "run", lowered)
     yield count
     monkeypatch.setattr(compile_fx, "compile_fx_inner", real)
+    monkeypatch.setattr(GraphLowering, "run", run)
 
 
 def lowerings_expected(record) -> int:

@@ -171,8 +171,8 @@ class PartCompiler:
         under both fusion rules where they differ (`scheduled_under_each_rule`; `producers_apart` is not read),
         and `gate` is given each rule's scheduled increase above the start, {producers apart: bytes}: it returns
         the rule to go on with, or raises `_Scheduled` (possibly inside Inductor's `InductorError`), which ends
-        the compile there. A graph whose schedule is not read is compiled with Inductor's fusions without
-        asking it, and returned as it is (the caller, not asked, does not use it)."""
+        the compile there. A graph whose schedule is not read (`probe.errors`) is compiled with Inductor's
+        fusions without asking it, and returned as it is (the caller, not asked, does not use it)."""
         from torch._inductor.compile_fx import compile_fx_inner
 
         with lowering_as_planned(self.job.plan.torch_plan, producers_apart, gate is not None) as guard, \
@@ -300,7 +300,7 @@ class PartCompiler:
                    *args: Any, **kwargs: Any) -> Any:
         """One candidate backward (a copy of `gm`) compiled up to Inductor's schedules under both fusion rules,
         where `gate` decides: the compiled graph if it let the compile go on, None if it stopped it. A compile
-        whose schedule is not read (no kernels) returns without asking `gate`; its caller does not use it."""
+        whose schedule is not read returns without asking `gate`; its caller does not use it."""
         from torch._inductor.exc import InductorError
 
         try:

@@ -28,10 +28,15 @@ than the plan's order: which of the two schedules lower is read from Inductor's 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
+
+import torch
 
 from torch._inductor.choices import InductorChoices
 from torch._inductor.virtualized import V
+
+log = logging.getLogger("dpcs.fusion_guard")
 
 
 def _size_hint(expr) -> int:
@@ -134,6 +139,17 @@ def planned_fusion_choices(keep_producers_apart: bool = False, count_refusable: 
         yield choices
 
 
+def _one_lowering_schedules_alike() -> bool:
+    """Whether a second scheduler made from a lowering another scheduler was made from sees the same IR.
+
+    Not under max-autotune (the first scheduler's `finalize_multi_template_buffers` rewrites the lowered
+    operations and buffers in place; `benchmark_epilogue_fusion`, on by default, acts only on its templates)
+    or fusion benchmarking (fusion generates code); a graph with user-defined Triton kernels is checked where
+    it is scheduled (`scheduled_under_each_rule`)."""
+    config = torch._inductor.config
+    return not (config.max_autotune or config.max_autotune_gemm or config.benchmark_fusion)
+
+
 @contextlib.contextmanager
 def scheduled_under_each_rule(probe, choose: Callable[[dict[bool, tuple]], bool]) -> Iterator[dict[bool, tuple]]:
     """Within the block, the first graph Inductor generates code for (the graph compile_fx_inner was given;
@@ -142,35 +158,46 @@ def scheduled_under_each_rule(probe, choose: Callable[[dict[bool, tuple]], bool]
     the rule (else it schedules the same). `choose` is given the readings, {producers apart: (the probe's
     reading, the rule's `PlannedFusionChoices`)} in that order, and returns the rule whose scheduler generates
     the code (it may raise instead, which ends the compile there); the other reading is taken off `probe.peaks`.
-    The rule chosen also schedules the subgraphs. Yields the readings.
+    The rule chosen also schedules the subgraphs, until the block ends. Yields the readings.
 
     Lowering a graph to Inductor's IR is most of the cost of scheduling it (measured on Hugging Face GPT-2's
     12-layer backward: 2.5 s of the 3.7 s): Inductor's `GraphLowering._update_scheduler` (re)makes the
-    scheduler from the lowered operations, and the fusion rules decide nothing before that. A reading the
-    probe could not make (`probe.errors`, or no kernels) leaves Inductor's fusions and does not ask `choose`.
+    scheduler from the lowered operations, and the fusion rules decide nothing before that. Where a second
+    scheduler would not see the IR the first saw (`_one_lowering_schedules_alike`; user-defined Triton kernels,
+    whose epilogue fusion removes buffers by the rule), only Inductor's fusions are scheduled. A reading the
+    probe could not make (`probe.errors`) of Inductor's fusions leaves them and does not ask `choose`; one of
+    the rule's is left out of the readings (logged), and its error off `probe.errors`.
     """
+    from torch._inductor import ir
     from torch._inductor.graph import GraphLowering
 
     original = GraphLowering._update_scheduler
     readings: dict[bool, tuple] = {}
     first = [True]
+    handlers = contextlib.ExitStack()
 
     def update_scheduler(graph) -> None:
         if not first[0]:
             return original(graph)
         first[0] = False
         schedulers = {}
+        alike = _one_lowering_schedules_alike() and not any(
+            isinstance(op, ir.UserDefinedTritonKernel) for op in graph.operations)
         for apart in (False, True):
             guard = PlannedFusionChoices(apart, count_refusable=not apart)
-            before = len(probe.peaks)
+            before, errors = len(probe.peaks), len(probe.errors)
             with V.set_choices_handler(guard):
                 original(graph)
             schedulers[apart] = graph.scheduler
-            if len(probe.peaks) != before + 1 or probe.errors:  # not read: Inductor's fusions, as they are
-                graph.scheduler = schedulers[False]
-                return None
+            if len(probe.peaks) != before + 1 or len(probe.errors) != errors:  # not read
+                if not apart:  # Inductor's fusions, as they are
+                    return None
+                log.warning("the fusion guard's schedule could not be read (%s); Inductor's fusions are kept",
+                            probe.errors[errors:])
+                del probe.errors[errors:], probe.peaks[before:]
+                break
             readings[apart] = (probe.peaks[before], guard)
-            if not apart and guard.would_refuse_vertical == 0:
+            if not apart and (guard.would_refuse_vertical == 0 or not alike):
                 break
         chosen = choose(readings)
         if chosen not in readings:
@@ -178,7 +205,7 @@ def scheduled_under_each_rule(probe, choose: Callable[[dict[bool, tuple]], bool]
         losers = [peak for apart, (peak, _) in readings.items() if apart != chosen]
         probe.peaks[:] = [p for p in probe.peaks if all(p is not loser for loser in losers)]
         graph.scheduler = schedulers[chosen]  # V.graph is `graph`: the scheduler code generation reads
-        V.set_choices_handler(readings[chosen][1])  # for the subgraphs; the caller's block restores its own
+        handlers.enter_context(V.set_choices_handler(readings[chosen][1]))  # for the subgraphs
         return None
 
     GraphLowering._update_scheduler = update_scheduler
@@ -186,3 +213,4 @@ def scheduled_under_each_rule(probe, choose: Callable[[dict[bool, tuple]], bool]
         yield readings
     finally:
         GraphLowering._update_scheduler = original
+        handlers.close()

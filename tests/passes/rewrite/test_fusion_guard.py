@@ -12,7 +12,7 @@ from torch._inductor.utils import run_and_get_code
 from torch.testing import FileCheck
 
 from dpcs_compiler.measure import measure_peak_memory
-from dpcs_compiler.passes.rewrite.fusion_guard import planned_fusion_choices, scheduled_under_each_rule
+from dpcs_compiler.passes.rewrite.fusion_guard import PlannedFusionChoices, planned_fusion_choices, scheduled_under_each_rule
 
 N = 256
 BUFFER = N * N * 4
@@ -171,7 +171,9 @@ def test_both_rules_scheduled_from_one_lowering_read_and_run_as_each_rule_lowere
 
 @pytest.mark.inductor
 def test_a_graph_the_rule_changes_nothing_in_is_scheduled_once():
-    """Where the rule would refuse no fusion, the graph is scheduled once, with Inductor's fusions."""
+    """Where the rule would refuse no fusion, the graph is scheduled once, with Inductor's fusions; the rule
+    chosen is Inductor's heuristics object only inside the block."""
+    from torch._inductor.virtualized import V
     from dpcs_compiler.passes.analysis.inductor_schedule import probe_scheduled_peak
 
     def neighbours(a, b):
@@ -186,6 +188,24 @@ def test_a_graph_the_rule_changes_nothing_in_is_scheduled_once():
     torch.testing.assert_close(outputs, neighbours(*inputs), **TOLERANCE)
     assert len(asked) == 1 and list(asked[0]) == [False] and asked[0][False][1].would_refuse_vertical == 0, asked
     assert len(probe.peaks) == 1, probe.peaks
+    assert not isinstance(V.choices, PlannedFusionChoices), V.choices
+
+
+@pytest.mark.inductor
+def test_under_max_autotune_only_inductors_fusions_are_scheduled(monkeypatch):
+    """Max-autotune rewrites the lowered graph while it schedules it: no second scheduler is made from it."""
+    from dpcs_compiler.passes.analysis.inductor_schedule import probe_scheduled_peak
+
+    torch._dynamo.reset()
+    inputs = [torch.randn(N, N) for _ in range(4)]
+    asked = []
+    with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True, max_autotune_gemm=True,
+                                                       max_autotune_gemm_backends="ATEN"), \
+            probe_scheduled_peak() as probe, \
+            scheduled_under_each_rule(probe, lambda readings: asked.append(dict(readings)) or False):
+        outputs = torch.compile(producer_read_early, backend="inductor", dynamic=False)(*inputs)
+    torch.testing.assert_close(outputs, producer_read_early(*inputs), **TOLERANCE)
+    assert len(asked) == 1 and list(asked[0]) == [False] and asked[0][False][1].would_refuse_vertical >= 1, asked
 
 
 @pytest.mark.inductor
