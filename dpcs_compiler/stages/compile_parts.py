@@ -44,19 +44,18 @@ class _Scheduled(Exception):
 
 
 @contextlib.contextmanager
-def lowering_as_planned(torchs: bool, producers_apart: bool = False, count_refusable: bool = False) -> Iterator[Any]:
+def lowering_as_planned(torchs: bool, producers_apart: bool = False) -> Iterator[Any]:
     """Inductor's settings for lowering a partitioned graph; yields the fusion guard (None for torch's plan).
 
     Inductor's buffer pool keeps a dead buffer allocated until a later one of the same size takes it over,
     which can hold memory across the peak the plan was made for (measured: +8% on a 2-layer GPT with two
     recomputed MLP inputs), so it is off for dpcs's plans; in-place reuse of dying inputs stays on, and on
     CUDA the caching allocator reuses freed memory anyway. Fusions that would raise the planned peak are
-    refused (`planned_fusion_choices`; `producers_apart`: its producer/consumer rule too; `count_refusable`:
-    without it, count the fusions it would refuse). Torch's own
+    refused (`planned_fusion_choices`; `producers_apart`: its producer/consumer rule too). Torch's own
     partition (kept: it fits) is lowered as plain Inductor lowers it.
     """
     with torch._inductor.config.patch(allow_buffer_reuse=torchs and torch._inductor.config.allow_buffer_reuse), \
-            (contextlib.nullcontext(None) if torchs else planned_fusion_choices(producers_apart, count_refusable)) as guard:
+            (contextlib.nullcontext(None) if torchs else planned_fusion_choices(producers_apart)) as guard:
         yield guard
 
 
@@ -175,7 +174,7 @@ class PartCompiler:
         fusions without asking it, and returned as it is (the caller, not asked, does not use it)."""
         from torch._inductor.compile_fx import compile_fx_inner
 
-        with lowering_as_planned(self.job.plan.torch_plan, producers_apart, gate is not None) as guard, \
+        with lowering_as_planned(self.job.plan.torch_plan, producers_apart) as guard, \
                 contextlib.ExitStack() as stack:
             probe = None
             if kind in self.job.graph_inputs and probe_available():
@@ -266,14 +265,11 @@ class PartCompiler:
             note_scheduled()
 
         for name, graph in orders.items():
-            read: list[bool] = []  # whether this order's schedules were read
-
-            def gate(increases: dict[bool, int], name: str = name, read: list[bool] = read) -> bool:
+            def gate(increases: dict[bool, int], name: str = name) -> bool:
                 """This order's lower rule if this order is the one to compile: the last, and lower than every
                 order before it; else the compile ends here (`_Scheduled`)."""
                 earlier = list(peaks.values())
                 peaks.update(((name, rule), increase) for rule, increase in increases.items())
-                read.append(True)
                 apart = min(increases, key=increases.__getitem__)  # the first of the lowest
                 if name == last_order and None not in earlier and all(increases[apart] < p for p in earlier):
                     # The time spent choosing ends here; code generation is the compile's own.
@@ -284,6 +280,7 @@ class PartCompiler:
                 raise _Scheduled()
 
             compiled = self._candidate(graph, example_inputs, gate, *args, **kwargs)
+            read = (name, False) in peaks  # the gate was asked: Inductor's fusions are always read first
             if compiled is not None and read:  # it went on past its schedule: the chosen one
                 return graph, compiled
             if not read:  # its schedule was not read: the plan compiles as it is
