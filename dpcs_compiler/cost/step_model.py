@@ -66,6 +66,11 @@ class StepContext:
     # With `torch_plan`: the step's other graph calls around this one, each counted in the context with its
     # runtime allowance, which torch's partition, measured with them, is not held to (`torch_plan_limit`).
     other_calls: int = 0
+    # The step's first run, its graphs not seen together yet: where a plan fits so, it keeps saved what would
+    # read an input or output the step may free before its backward (`StepSharing.freeable`), so the step
+    # recorder sees whether the step frees it (a plan that recomputes from it holds it alive: the recorder
+    # sees it held, and the step plans count it alive). The step planner then plans either way knowingly.
+    first_step: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.keep_saved, (str, bytes)) or not all(isinstance(n, str) for n in self.keep_saved):
@@ -76,7 +81,7 @@ class StepContext:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"StepContext.{name}={value!r} is not valid; valid choices: bytes as an int >= 0")
-        for name in ("hold_least", "torch_plan"):
+        for name in ("hold_least", "torch_plan", "first_step"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"StepContext.{name}={getattr(self, name)!r} is not valid; valid choices: True, False")
         for name in ("boundary_cap", "target"):
@@ -104,7 +109,7 @@ class StepContext:
         raise ValueError(
             f"dpcs option 'step_context'={value!r} is not valid; valid choices: None, or a dict with keys "
             "'forward_bytes', 'backward_bytes', 'boundary_cap', 'target', 'hold_least', 'backward_freed', "
-            "'keep_saved', 'torch_plan', 'other_calls' (set by dpcs's step planner)"
+            "'keep_saved', 'torch_plan', 'other_calls', 'first_step' (set by dpcs's step planner)"
         )
 
 

@@ -776,7 +776,7 @@ class StepRecorder:
             parameters.update(c.parameters)
             gradients.update(c.gradients)
         common = sum(v for k, v in parameters.items() if k not in own) + sum(gradients.values())
-        return StepContext(forward_bytes=common + held, backward_bytes=common + held)
+        return StepContext(forward_bytes=common + held, backward_bytes=common + held, first_step=True)
 
     # -- planning ------------------------------------------------------------------------------------------
     def plan(self) -> StepRecord | None:

@@ -270,6 +270,29 @@ class _PlanningView:
         return cls(schedule, planning, planning.memory_problem(seconds, transfer), terms)
 
 
+def _solve_in_step(problem: MemoryProblem, context: StepContext | None, target: int,
+                   sharing: Any) -> tuple[StepContext | None, Solution]:
+    """The plan within `target` in `context`, and the context it was solved in. In the step's first run
+    (`StepContext.first_step`), the plan keeps saved the candidates that would read a buffer the step may free,
+    unless only a plan that recomputes one of them fits (no first step is put over a budget it would meet)."""
+
+    def solve(trial: StepContext | None) -> tuple[StepContext | None, Solution]:
+        if trial is not None and trial.hold_least:  # the first step, its order unknown: hold least
+            cap = least_held_cap(problem, trial, target, fits)
+            trial = dataclasses.replace(trial, boundary_cap=cap, hold_least=False)
+        return trial, solve_or_measure(in_step(problem, trial, target), target)
+
+    if context is not None and context.first_step:
+        readers = {name for f in sharing.freeable for name in f.readers} - set(context.keep_saved)
+        if readers:
+            observing = solve(dataclasses.replace(context, keep_saved=(*context.keep_saved, *sorted(readers))))
+            if observing[1].feasible:
+                return observing
+            free = solve(context)
+            return free if free[1].feasible else observing
+    return solve(context)
+
+
 def plan_memory_budget(
     job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: int, torch_plan: TorchPlan | None = None,
     torch_levels: TorchLevelsOf | None = None,
@@ -346,11 +369,7 @@ def plan_memory_budget(
         if kept is not None:
             solution = kept
         else:
-            if context is not None and context.hold_least:  # the first step, its order unknown: hold least
-                cap = least_held_cap(problem, context, target, fits)
-                context = dataclasses.replace(context, boundary_cap=cap, hold_least=False)
-            held = in_step(problem, context, target)
-            solution = solve_or_measure(held, target)
+            context, solution = _solve_in_step(problem, context, target, job.sharing)
             # The prediction: this graph's peak in its step (the cap is a bound, not bytes alive).
             solution = dataclasses.replace(
                 solution, peak_bytes=plan_memory(job.in_step(problem, capped=False, decisions=solution.decisions),

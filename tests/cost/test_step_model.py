@@ -367,6 +367,9 @@ def test_step_context_validates():
     with pytest.raises(ValueError, match="other_calls"):
         StepContext(torch_plan=True, other_calls=-1)
     assert StepContext.parse({"forward_bytes": 3}) == StepContext(forward_bytes=3)
+    with pytest.raises(ValueError, match="first_step"):
+        StepContext(first_step=1)
+    assert StepContext.parse({"first_step": True}) == StepContext(first_step=True)
 
 
 @pytest.mark.parametrize("seed", range(6))
