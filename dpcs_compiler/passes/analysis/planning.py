@@ -24,8 +24,8 @@ import torch.utils._pytree as pytree
 from dpcs_compiler.cost import budget
 from dpcs_compiler.cost.memory_model import Candidate, MemoryProblem
 from dpcs_compiler.passes.analysis.base import require
-from dpcs_compiler.passes.analysis.fusion import _readers, inductor_fusion
-from dpcs_compiler.passes.analysis.liveness import Liveness, liveness
+from dpcs_compiler.passes.analysis.fusion import _readers, inductor_fusion, is_pointwise
+from dpcs_compiler.passes.analysis.liveness import Liveness, can_take_over, liveness
 from dpcs_compiler.passes.analysis.memory_timeline import buffer_categories, simulate
 from dpcs_compiler.passes.analysis.schedule import BACKWARD, FORWARD, Schedule
 from dpcs_compiler.passes.analysis.tensor_bytes import Buffer
@@ -49,7 +49,7 @@ class CandidateNodes:
     last_use: int
     recompute_nodes: tuple[fx.Node, ...]  # forward nodes re-run in backward to make it again, in graph order
     recompute_inputs: tuple[int, ...]  # candidates (indices) that must be in memory to re-run them
-    transient: int  # bytes the re-run allocates besides the buffer itself
+    transient: int  # the most bytes the re-run holds beyond the buffer's own (`_closure_peak`)
     random: bool  # re-running would draw new random numbers
 
 
@@ -164,25 +164,43 @@ def is_random(node: fx.Node) -> bool:
 
 
 def _closure_peak(nodes: Sequence[fx.Node], buffer: Buffer, live: Liveness) -> int:
-    """The most bytes a re-run of `nodes` (in order) holds at once besides `buffer`: each intermediate lives
-    from its node to the last node of the re-run that reads it, and a node's kernel workspace while it runs."""
+    """The most bytes a re-run of `nodes` (in order) holds at once beyond `buffer`'s own bytes, which the
+    memory model counts from the re-run on: each buffer it makes lives from its node to the last node of the
+    re-run that reads it (`buffer` to the end), with a node's kernel workspace while it runs. Where the final
+    compiler writes a pointwise result over a dying input of its size (`Liveness.reuses`' rule), the result
+    allocates nothing: a remade activation over its remade pre-activation holds one of the two, not both
+    (the graph-break net's remade tanh: 8 MiB, which the model counted as 16)."""
     last_read: dict[Buffer, int] = {}
     for i, node in enumerate(nodes):
         for arg in node.all_input_nodes:
             for b in live.references.get(arg, ()):
                 last_read[b] = i
+    reuses = live.schedule.reuses_dying_inputs
+    made_here: set[Buffer] = set()
+    taken: set[Buffer] = set()
     delta = [0] * (len(nodes) + 1)
     for i, node in enumerate(nodes):
-        for b in live.allocations.get(node, ()):
-            if b != buffer and b in live.buffers:
+        made = [b for b in live.allocations.get(node, ()) if b in live.buffers]
+        over = None
+        if reuses and len(made) == 1 and is_pointwise(node):
+            over = next((b for arg in node.all_input_nodes for b in live.references.get(arg, ())
+                         if b in made_here and b != buffer and b not in taken and last_read.get(b) == i
+                         and can_take_over(made[0], b, live.hint)), None)
+        for b in made:
+            made_here.add(b)
+            if over is not None:  # written over `over`: its bytes stay, now as b's
+                taken.add(over)
+                delta[i + 1] += live.hint(over)
+            else:
                 delta[i] += live.hint(b)
+            if b != buffer:
                 delta[max(i, last_read.get(b, i)) + 1] -= live.hint(b)
     workspace = live.schedule.workspace
     peak = alive = 0
     for node, change in zip(nodes, delta[:-1]):
         alive += change
         peak = max(peak, alive + workspace.get(node, 0))
-    return peak
+    return max(0, peak - live.hint(buffer))
 
 
 def planning_graph(schedule: Schedule, analyses: Any | None = None) -> PlanningGraph:

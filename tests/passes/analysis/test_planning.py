@@ -40,16 +40,19 @@ def mlp_graphs():
     return trace_training(mlp_step, x, *weights)
 
 
-def test_candidates_of_a_three_layer_mlp():
-    planning, _ = planning_of(mlp_graphs(), parameter_indices=(1, 2, 3))
+@pytest.mark.parametrize("compiler, transient", [("eager", F32), ("inductor", 0)])
+def test_candidates_of_a_three_layer_mlp(compiler, transient):
+    planning, _ = planning_of(mlp_graphs(), compiler, parameter_indices=(1, 2, 3))
     rows = {
         c.holder.name: (c.nbytes, [n.name for n in c.recompute_nodes], c.recompute_inputs, c.transient, c.random)
         for c in planning.candidates
     }
-    # relu is made again from x and w0 (re-running mm, whose output is the transient); tanh from relu and w1.
+    # relu is made again from x and w0 (re-running mm), tanh from relu and w1. Eager allocates relu's output
+    # while mm's is alive: mm's output is the transient. Inductor writes relu over mm's output, which dies
+    # there (`Liveness.reuses`): the re-run holds one buffer, relu's own.
     assert rows == {
-        "relu": (F32, ["mm", "relu"], (), F32, False),
-        "tanh": (F32, ["mm_1", "tanh"], (0,), F32, False),
+        "relu": (F32, ["mm", "relu"], (), transient, False),
+        "tanh": (F32, ["mm_1", "tanh"], (0,), transient, False),
     }
     relu, tanh = planning.candidates
     nodes = [n.name for n in planning.schedule.nodes]
