@@ -398,6 +398,8 @@ class DpcsOptions:
         for internal in ("step_context", "size_hints", "stands_in_for"):  # set by dpcs; left out unset, so older hashes stay
             if not relevant[internal]:
                 del relevant[internal]
+        if relevant.get("step_context") and not relevant["step_context"].get("first_step"):
+            relevant["step_context"] = {k: v for k, v in relevant["step_context"].items() if k != "first_step"}
         if relevant["keep_torch_plan"]:  # the defaults, left out so older hashes stay
             del relevant["keep_torch_plan"]
         if not relevant["calibrate"]:

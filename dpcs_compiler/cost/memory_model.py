@@ -9,8 +9,8 @@ whose lifetimes the plan decides:
 - RECOMPUTE: freed after its last forward use; made again in backward just before its first backward use,
   or earlier when a recomputed candidate needs it as an input, and then alive to its last use. It is
   made before the step that first reads it allocates anything: while it is recomputed, the memory is what
-  was alive before that step (`base_before_bytes`), the candidates alive at that step, and the
-  intermediates only it needs (`recompute_transient`). Candidates made again at one step are counted
+  was alive before that step (`base_before_bytes`), the candidates alive at that step, and the most its
+  re-run holds beyond the candidate itself (`recompute_transient`). Candidates made again at one step are counted
   together, their transients one at a time (each is freed before the next is made).
 - OFFLOAD: copied to host memory on a side stream after it is made; its device memory is freed once both
   the copy has finished and its last forward use has run. The reload starts early enough (the prefetch

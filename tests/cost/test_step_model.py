@@ -372,6 +372,16 @@ def test_step_context_validates():
     assert StepContext.parse({"first_step": True}) == StepContext(first_step=True)
 
 
+def test_a_step_context_outside_a_first_step_hashes_as_before_first_step_existed():
+    from dpcs_compiler.options import DpcsOptions
+
+    def options(**context):
+        return DpcsOptions.from_dict({"memory_budget": 10, "step_context": {"forward_bytes": 3, **context}})
+
+    assert options().fingerprint() == "080ab5cff91d11ab"  # ecafbbf's
+    assert options(first_step=True).fingerprint() != options().fingerprint()
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_random_steps_fit_at_every_budget_between_lowest_and_unplanned(seed):
     """Three graphs, one called twice: every feasible step plan has its predicted step peak within the

@@ -11,7 +11,6 @@ long as any value that points into it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import torch.fx as fx
@@ -131,18 +130,6 @@ def liveness(schedule: Schedule, analyses: Any | None = None) -> Liveness:
     )
 
 
-def buffer_dtype(b: Buffer) -> Any:
-    value = b.producer.meta["val"]
-    return (value if b.index is None else value[b.index]).dtype
-
-
-def can_take_over(made: Buffer, dying: Buffer, size: Callable[[Buffer], int]) -> bool:
-    """Whether Inductor can write a pointwise node's result `made` into its input buffer `dying`, which dies
-    at that node: the same size and dtype (its `can_match_buffer_size` asks for the same dtype too: a cast
-    between two dtypes of one width, float32 to int32, allocates its result)."""
-    return size(dying) == size(made) and buffer_dtype(dying) == buffer_dtype(made)
-
-
 def _in_place_reuses(
     schedule: Schedule,
     sizes: dict[fx.GraphModule, TensorBytes],
@@ -150,9 +137,17 @@ def _in_place_reuses(
     allocations: dict[fx.Node, tuple[Buffer, ...]],
     references: dict[fx.Node, tuple[Buffer, ...]],
 ) -> dict[Buffer, Buffer]:
-    """Pointwise results that take over an input buffer dying at the same node (`can_take_over`)."""
+    """Pointwise results that take over an input buffer of equal size and dtype dying at the same node.
+
+    Inductor's `can_match_buffer_size` asks for the same dtype too: a cast between two dtypes of one width
+    (float32 to int32) allocates its result.
+    """
     def size(b: Buffer) -> int:
         return sizes[b.producer.graph.owning_module].hint(b.size)
+
+    def dtype(b: Buffer) -> Any:
+        value = b.producer.meta["val"]
+        return (value if b.index is None else value[b.index]).dtype
 
     reuses: dict[Buffer, Buffer] = {}
     taken: set[Buffer] = set()
@@ -169,7 +164,8 @@ def _in_place_reuses(
             and buffers[b].end == i
             and buffers[b].start != BEFORE_STEP
             and b.producer not in schedule.late_input_set
-            and can_take_over(made[0], b, size)
+            and size(b) == size(made[0])
+            and dtype(b) == dtype(made[0])
         ]
         if candidates:
             reuses[made[0]] = candidates[0]

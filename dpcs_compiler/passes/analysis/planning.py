@@ -24,8 +24,8 @@ import torch.utils._pytree as pytree
 from dpcs_compiler.cost import budget
 from dpcs_compiler.cost.memory_model import Candidate, MemoryProblem
 from dpcs_compiler.passes.analysis.base import require
-from dpcs_compiler.passes.analysis.fusion import _readers, inductor_fusion, is_pointwise
-from dpcs_compiler.passes.analysis.liveness import Liveness, can_take_over, liveness
+from dpcs_compiler.passes.analysis.fusion import _readers, inductor_fusion
+from dpcs_compiler.passes.analysis.liveness import Liveness, liveness
 from dpcs_compiler.passes.analysis.memory_timeline import buffer_categories, simulate
 from dpcs_compiler.passes.analysis.schedule import BACKWARD, FORWARD, Schedule
 from dpcs_compiler.passes.analysis.tensor_bytes import Buffer
@@ -167,29 +167,31 @@ def _closure_peak(nodes: Sequence[fx.Node], buffer: Buffer, live: Liveness) -> i
     """The most bytes a re-run of `nodes` (in order) holds at once beyond `buffer`'s own bytes, which the
     memory model counts from the re-run on: each buffer it makes lives from its node to the last node of the
     re-run that reads it (`buffer` to the end), with a node's kernel workspace while it runs. Where the final
-    compiler writes a pointwise result over a dying input of its size (`Liveness.reuses`' rule), the result
-    allocates nothing: a remade activation over its remade pre-activation holds one of the two, not both
-    (the graph-break net's remade tanh: 8 MiB, which the model counted as 16)."""
+    compiler writes a pointwise result over a dying input of its size (`Liveness.reuses`, where the forward
+    these nodes re-run does so, the input read by nothing outside the re-run), the result allocates nothing:
+    a remade activation over its remade pre-activation holds one of the two, not both (the graph-break net's
+    remade tanh: 8 MiB, which the model counted as 16)."""
     last_read: dict[Buffer, int] = {}
     for i, node in enumerate(nodes):
         for arg in node.all_input_nodes:
             for b in live.references.get(arg, ()):
                 last_read[b] = i
-    reuses = live.schedule.reuses_dying_inputs
+    members = frozenset(nodes)
     made_here: set[Buffer] = set()
-    taken: set[Buffer] = set()
     delta = [0] * (len(nodes) + 1)
     for i, node in enumerate(nodes):
         made = [b for b in live.allocations.get(node, ()) if b in live.buffers]
-        over = None
-        if reuses and len(made) == 1 and is_pointwise(node):
-            over = next((b for arg in node.all_input_nodes for b in live.references.get(arg, ())
-                         if b in made_here and b != buffer and b not in taken and last_read.get(b) == i
-                         and can_take_over(made[0], b, live.hint)), None)
+        # Written in place where the schedule writes it in place (the input's last reader there, in the forward
+        # these nodes re-run), and the input dies here in the re-run too: made by it, read last by this node,
+        # and by nothing outside it (a value two remade candidates read is re-run once for both: its other
+        # reader can come after this node in the backward).
+        over = live.reuses.get(made[0]) if len(made) == 1 else None
+        if over is not None and not (over in made_here and over != buffer and last_read.get(over) == i
+                                     and _read_only_within(over.producer, members, live)):
+            over = None
         for b in made:
             made_here.add(b)
             if over is not None:  # written over `over`: its bytes stay, now as b's
-                taken.add(over)
                 delta[i + 1] += live.hint(over)
             else:
                 delta[i] += live.hint(b)
@@ -201,6 +203,20 @@ def _closure_peak(nodes: Sequence[fx.Node], buffer: Buffer, live: Liveness) -> i
         alive += change
         peak = max(peak, alive + workspace.get(node, 0))
     return max(0, peak - live.hint(buffer))
+
+
+def _read_only_within(producer: fx.Node, members: frozenset[fx.Node], live: Liveness) -> bool:
+    """Whether every reader of `producer`'s value, through views (nodes that allocate nothing), is in
+    `members`."""
+    stack, seen = [producer], set()
+    while stack:
+        for user in stack.pop().users:
+            if user not in members:
+                return False
+            if user not in seen and not live.allocations.get(user):
+                seen.add(user)
+                stack.append(user)
+    return True
 
 
 def planning_graph(schedule: Schedule, analyses: Any | None = None) -> PlanningGraph:

@@ -61,6 +61,41 @@ def test_candidates_of_a_three_layer_mlp(compiler, transient):
     assert relu.first_backward_use >= planning.backward_start and relu.last_use >= relu.first_backward_use
 
 
+def pointwise_chain_step(x, w0):
+    return torch.tanh((x @ w0) * 2 + 1).sum()
+
+
+@pytest.mark.parametrize("compiler, transient", [("eager", F32), ("inductor", 0)])
+def test_a_remake_counts_its_value_from_its_making(compiler, transient):
+    """tanh is made again by re-running mm, mul and add (the backward reads none of them). Eager holds two F32
+    buffers at once along the re-run, tanh's own one of them once it is made: one F32 beyond tanh, where the
+    transient counted as if tanh were alive all through the re-run was two. Inductor fuses mul and add into
+    tanh's kernel and writes tanh over mm's dying output: nothing beyond tanh."""
+    x = torch.randn(ROWS, D)
+    w = torch.randn(D, D, requires_grad=True)
+    planning, _ = planning_of(trace_training(pointwise_chain_step, x, w), compiler, parameter_indices=(1,))
+    rows = {c.holder.name: ([n.name for n in c.recompute_nodes], c.transient) for c in planning.candidates}
+    assert rows == {"tanh": (["mm", "mul", "add", "tanh"], transient)}
+
+
+def shared_input_step(x, w0, w1, w2):
+    h = x @ w0
+    return (torch.tanh(h) @ w1).sum() + (torch.sigmoid(h) @ w2).sum()
+
+
+def test_a_remake_is_not_counted_in_place_over_a_value_another_remake_reads():
+    """Inductor writes sigmoid over h, whose last reader it is in the forward. Remade, h can be read by tanh's
+    remake after sigmoid's (the partition re-runs h once for both): sigmoid's remake counts h beside it."""
+    x = torch.randn(ROWS, D)
+    weights = [torch.randn(D, D, requires_grad=True) for _ in range(3)]
+    planning, _ = planning_of(trace_training(shared_input_step, x, *weights), "inductor", parameter_indices=(1, 2, 3))
+    rows = {c.holder.name: ([n.name for n in c.recompute_nodes], c.transient) for c in planning.candidates}
+    assert rows == {"tanh": (["mm", "tanh"], F32), "sigmoid": (["mm", "sigmoid"], F32)}
+    live = planning.live
+    (sigmoid,) = [b for b in live.buffers if b.producer.name == "sigmoid"]
+    assert live.reuses.get(sigmoid) is not None  # the forward does write it in place
+
+
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
 def test_saving_everything_reproduces_the_joint_timeline(compiler):
     w = workload("gpt", 2)
