@@ -315,7 +315,7 @@ class GraphDispatcher:
             self.root = weakref.ref(root) if root is not None else None
             provisional = STEPS.provisional_context(example_inputs)
             if getattr(getattr(gm, "compile_subgraph_reason", None), "graph_break", False) or more_of_frame_follows():
-                provisional = dataclasses.replace(provisional or StepContext(), hold_least=True, first_step=True)
+                provisional = dataclasses.replace(provisional or StepContext(), hold_least=True)
             if provisional is not None:
                 self.step_contexts[self.bucket] = provisional
                 self.provisional.add(self.bucket)
