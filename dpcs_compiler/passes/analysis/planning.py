@@ -177,7 +177,6 @@ def _closure_peak(nodes: Sequence[fx.Node], buffer: Buffer, live: Liveness) -> i
             for b in live.references.get(arg, ()):
                 last_read[b] = i
     members = frozenset(nodes)
-    made_here: set[Buffer] = set()
     delta = [0] * (len(nodes) + 1)
     for i, node in enumerate(nodes):
         made = [b for b in live.allocations.get(node, ()) if b in live.buffers]
@@ -186,11 +185,10 @@ def _closure_peak(nodes: Sequence[fx.Node], buffer: Buffer, live: Liveness) -> i
         # and by nothing outside it (a value two remade candidates read is re-run once for both: its other
         # reader can come after this node in the backward).
         over = live.reuses.get(made[0]) if len(made) == 1 else None
-        if over is not None and not (over in made_here and over != buffer and last_read.get(over) == i
+        if over is not None and not (over.producer in members and over != buffer and last_read.get(over) == i
                                      and _read_only_within(over.producer, members, live)):
             over = None
         for b in made:
-            made_here.add(b)
             if over is not None:  # written over `over`: its bytes stay, now as b's
                 delta[i + 1] += live.hint(over)
             else:
