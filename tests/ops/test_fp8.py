@@ -36,6 +36,14 @@ GRAD_SQNR_DB = 23.0
 GRAD_BIAS_SQNR_DB = 40.0  # grad_bias is a high-precision sum of the gradient, not an fp8 matmul
 
 
+def needs_cpu_scaled_mm(recipe: str, out_dtype: torch.dtype = torch.float32) -> None:
+    """Skips where this torch build's CPU `_scaled_mm` refuses the recipe (torch 2.11's takes per-tensor scales
+    only; 2.13's takes both): what the test checks needs the real kernel. The probe deciding this is itself
+    checked against a direct call (`test_the_probe_answers_what_scaled_mm_does_on_this_cpu`)."""
+    if not scaled_mm_supported("cpu", recipe, out_dtype):
+        pytest.skip(f"torch {torch.__version__}'s CPU _scaled_mm refuses recipe={recipe!r} to {out_dtype}")
+
+
 def rowwise_scales(a_inv: torch.Tensor, b_inv: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
     return (a_inv, b_inv) if recipe == "tensorwise" else (a_inv.reshape(-1, 1), b_inv.reshape(1, -1))
 
@@ -133,6 +141,7 @@ def small_integers(*shape: int) -> torch.Tensor:
 @pytest.mark.parametrize("a_dtype", FP8_DTYPES, ids=dtype_id)  # e4m3 x e4m3 forward, e5m2 x e4m3 backward
 def test_emulated_equals_scaled_mm_exactly_when_the_arithmetic_is_exact(out_dtype, recipe, a_dtype):
     """Integer operands (exact fp32 sums) and power-of-two scales: every order of the same math agrees."""
+    needs_cpu_scaled_mm(recipe, out_dtype)
     torch.manual_seed(0)
     m, k, n = 64, 128, 32
     a = small_integers(m, k).to(a_dtype)
@@ -152,6 +161,7 @@ def test_emulated_matches_scaled_mm_on_random_operands(out_dtype, recipe):
     """Not bitwise: CPU _scaled_mm scales the operands before its fp32 matmul (oneDNN on AMX CPUs does its own
     thing), the emulation scales the fp32 sum as CUDA does. That changes the last fp32 bits (measured < 1e-6
     of the output's range), which can flip the rounding of a bf16 output by one ulp (2**-7 relative)."""
+    needs_cpu_scaled_mm(recipe, out_dtype)
     a, a_inv, b, b_inv = quantized_operands(64, 128, 32, recipe)
     emulated = scaled_matmul(a, a_inv, b, b_inv, out_dtype, "emulated")
     scaled = scaled_matmul(a, a_inv, b, b_inv, out_dtype, "scaled_mm")
@@ -176,9 +186,24 @@ def test_scaled_matmul_rejects_an_unknown_matmul():
 
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_scaled_mm_is_supported_on_this_cpu(recipe, out_dtype):
-    assert scaled_mm_supported("cpu", recipe, out_dtype)
-    assert scaled_mm_supported(torch.device("cpu"), recipe, out_dtype)
+def test_the_probe_answers_what_scaled_mm_does_on_this_cpu(recipe, out_dtype):
+    """Which recipes a CPU `_scaled_mm` takes is the torch build's (2.13: both; 2.11: tensorwise only): the
+    probe says yes exactly where the kernel runs and agrees with the emulation on exact operands."""
+    torch.manual_seed(0)
+    a = small_integers(32, 64).to(E4M3)
+    b = small_integers(16, 64).to(E4M3).t()
+    a_inv, b_inv = rowwise_scales(torch.tensor(2.0**-3), torch.tensor(2.0**2), recipe)
+    if recipe == "rowwise":
+        a_inv, b_inv = a_inv.expand(32, 1).contiguous(), b_inv.expand(1, 16).contiguous()
+    try:
+        out = torch._scaled_mm(a, b.t().contiguous().t(), a_inv, b_inv, out_dtype=out_dtype)
+    except RuntimeError:
+        runs = False
+    else:
+        runs = torch.equal(out, scaled_matmul(a, a_inv, b, b_inv, out_dtype, "emulated"))
+    assert scaled_mm_supported("cpu", recipe, out_dtype) == runs
+    assert scaled_mm_supported(torch.device("cpu"), recipe, out_dtype) == runs
+    assert scaled_mm_supported("cpu", "tensorwise", torch.float32)  # every build since 2.5 runs this one
 
 
 PROBED = [("rowwise", torch.bfloat16), ("tensorwise", torch.float32), ("tensorwise", torch.int32)]
@@ -190,7 +215,8 @@ def test_scaled_mm_probe_runs_real_kernels_under_a_fake_mode():
     some, accepted on others), so the answers are compared with the probe's outside the fake mode."""
     fp8._probe_scaled_mm.cache_clear()
     with FakeTensorMode():
-        assert scaled_mm_supported("cpu", "rowwise", torch.bfloat16)  # fake tensors could not show it correct
+        # Fake tensors could not show a result correct: a probe run on them would say no to everything.
+        assert scaled_mm_supported("cpu", "tensorwise", torch.float32)
         under_fake = [scaled_mm_supported("cpu", *case) for case in PROBED]
     fp8._probe_scaled_mm.cache_clear()
     assert under_fake == [scaled_mm_supported("cpu", *case) for case in PROBED]
@@ -266,6 +292,7 @@ def test_fp8_linear_sqnr_against_fp32_linear(recipe, dtype, batch):
 @pytest.mark.parametrize("dtype", OUT_DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_fp8_linear_with_scaled_mm_matches_emulated(recipe, dtype, batch):
+    needs_cpu_scaled_mm(recipe, dtype)
     x, weight, bias, grad_out = linear_inputs(batch, 128, 64, dtype)
     scaled = run_linear(lambda *a: fp8_linear(*a, recipe=recipe), x, weight, bias, grad_out)
     emulated = run_linear(lambda *a: fp8_linear(*a, recipe=recipe, matmul="emulated"), x, weight, bias, grad_out)
@@ -279,6 +306,8 @@ def test_fp8_linear_with_scaled_mm_matches_emulated(recipe, dtype, batch):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_fp8_linear_dtypes_of_output_and_gradients(recipe):
+    needs_cpu_scaled_mm(recipe, torch.bfloat16)
+    needs_cpu_scaled_mm(recipe, torch.float32)
     torch.manual_seed(0)
     x = torch.randn(2, 16, 32, dtype=torch.bfloat16, requires_grad=True)
     weight = torch.randn(48, 32, requires_grad=True)  # fp32 master weight
@@ -297,6 +326,7 @@ def test_fp8_linear_dtypes_of_output_and_gradients(recipe):
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_fp8_linear_computes_only_the_gradients_asked_for(recipe, requires_grad):
     """Each gradient is computed on its own, so it equals the one of the all-gradients run bit for bit."""
+    needs_cpu_scaled_mm(recipe)
     x, weight, bias, grad_out = linear_inputs((2, 32), 64, 32, torch.float32)
     linear = lambda *a: fp8_linear(*a, recipe=recipe)  # noqa: E731
     _, *all_grads = run_linear(linear, x, weight, bias, grad_out)
@@ -371,6 +401,7 @@ def aot_inputs(dtype=torch.float32):
 @pytest.mark.parametrize("dtype", OUT_DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_aot_graphs_cast_to_fp8_and_call_scaled_mm(recipe, dtype):
+    needs_cpu_scaled_mm(recipe, dtype)
     linear = lambda *a: fp8_linear(*a, recipe=recipe)  # noqa: E731
     inputs, grad_out = aot_inputs(dtype)
     forward, backward, traced = trace(linear, inputs, grad_out)
@@ -386,6 +417,7 @@ def test_aot_graphs_cast_to_fp8_and_call_scaled_mm(recipe, dtype):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_aot_graphs_save_what_the_recipe_says(recipe):
+    needs_cpu_scaled_mm(recipe, torch.bfloat16)
     forward, _, _ = trace(lambda *a: fp8_linear(*a, recipe=recipe), *aot_inputs(torch.bfloat16))
     saved = Counter((tuple(t.shape), t.dtype) for t in saved_for_backward(forward))
     assert saved[(48, 64), E4M3] == 0  # never an fp8 copy of the weight
@@ -400,6 +432,7 @@ def test_aot_graphs_save_what_the_recipe_says(recipe):
 def test_aot_graphs_meet_the_cuda_layout_rules_of_scaled_mm(recipe):
     """What `_scaled_mm`'s meta function checks on CUDA only: a row-major, b column-major, sizes multiples of
     16, scales 0-dim or contiguous [M, 1] and [1, N]. Checked on the traced CPU graphs' fake values."""
+    needs_cpu_scaled_mm(recipe)
     forward, backward, _ = trace(lambda *a: fp8_linear(*a, recipe=recipe), *aot_inputs())
     scaled_mm = torch.ops.aten._scaled_mm.default
     calls = [node for gm in (forward, backward) for node in gm.graph.nodes if node.target == scaled_mm]
