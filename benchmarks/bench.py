@@ -196,6 +196,20 @@ def recomputes(upstream: str) -> bool:
         return float(upstream.split("=", 1)[1]) < 1.0
     return False
 
+def log_prepared(model: str, s: Strategy, log: Callable[[str], None]) -> None:
+    """One line per strategy as soon as it is measured, so that a run cut short (a lease's deadline) still
+    says what each strategy it reached held and what dpcs planned."""
+    r = s.result
+    if r.get("error"):
+        log(f"[{model}] {s.name}: error {str(r['error'])[:300]}")
+        return
+    fields = [f"peak {r.get('peak_bytes')} B", f"first step {r.get('first_step_s', 0.0):.2f} s"]
+    for key in ("predicted_peak_bytes", "feasible", "recomputed_values", "offloaded_values", "first_step_pass_s"):
+        if r.get(key) is not None:
+            fields.append(f"{key} {r[key]}")
+    log(f"[{model}] {s.name}: " + ", ".join(fields))
+
+
 def dpcs_budgets(upstream: Sequence[Strategy], below: Sequence[float]) -> list[tuple[int, str]]:
     """(budget bytes, where it comes from): each distinct measured peak of eager_ac and the compiled upstream
     strategies, then `below` fractions of the lowest. Peaks within DEDUPE_RELATIVE of each other give one
@@ -456,6 +470,7 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device, log: Ca
             log(f"[{name}] {s.name}: compiling / warming up")
             model_progress.detail(f"{s.name}: compiling / warming up")
             prepare_with_retry(s, base, inputs, device=device, warmup=args.warmup, sgd=args.sgd, log=log)
+            log_prepared(name, s, log)
             model_progress.advance()
         if "dpcs" in args.strategies:
             budgets = dpcs_budgets(strategies, args.dpcs_below)
@@ -469,6 +484,7 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device, log: Ca
                     log(f"[{name}] {s.name} ({source}): compiling / warming up")
                     model_progress.detail(f"{s.name}: compiling / warming up")
                     prepare_with_retry(s, base, inputs, device=device, warmup=args.warmup, sgd=args.sgd, log=log)
+                    log_prepared(name, s, log)
                     s.result["calibrate"] = calibrate
                     strategies.append(s)
                     model_progress.advance()
@@ -578,6 +594,7 @@ def replan_and_time(name: str, plains: list[Strategy], strategies: list[Strategy
         log(f"[{name}] {s.name} ({s.budget_source}): compiling / warming up")
         model_progress.detail(f"{s.name}: compiling / warming up")
         prepare_with_retry(s, base, inputs, device=device, warmup=args.warmup, sgd=args.sgd, log=log)
+        log_prepared(name, s, log)
         s.result["calibrate"] = calibrate
         strategies.append(s)
         pairs += [plain, s]

@@ -5,14 +5,15 @@
 #   OUT=/tmp/gpu bash benchmarks/gpu_session.sh [SECONDS] [STEPS...]
 #
 # SECONDS (default 400) is the deadline for the whole script; every step is cut at it. STEPS picks what runs
-# (default: all, in this order): env tests peak train stall cadence bench_gpt bench_llama.
+# (default: all, in this order): env tests peak train cadence bench_gpt bench_llama precision stall. Each step's
+# own limit can be set as LIMIT_<name> (e.g. LIMIT_bench_gpt=240).
 # The package is installed from this checkout (editable, no dependencies, no index: the machine has no
 # network), because torch finds the "dpcs" backend by the package's entry point. Everything lands in
 # $OUT/gpu_session.tar.gz (logs/, results/, rc.txt with each step's exit status and seconds).
 set -u
 DEADLINE=$(( $(date +%s) + ${1:-400} ))
 shift || true
-STEPS=${*:-env tests peak train stall cadence bench_gpt bench_llama}
+STEPS=${*:-env tests peak train cadence bench_gpt bench_llama precision stall}
 EXTRA=${EXTRA:-}  # more commands to run with the first, parallel group (diagnostics): "name:command"
 OUT=${OUT:-/tmp/gpu_session}
 W=$(mktemp -d)
@@ -26,6 +27,7 @@ wants() { [[ " $STEPS " == *" $1 "* ]]; }
 # step NAME LIMIT CMD...: runs CMD under min(LIMIT, time left), logs to logs/NAME.log, records rc and seconds.
 step() {
     local name=$1 limit=$2; shift 2
+    local override="LIMIT_$name"; limit=${!override:-$limit}
     local budget; budget=$(left); (( budget > limit )) && budget=$limit
     if (( budget < 10 )); then echo "$name skipped (no time left)" >> "$W/rc.txt"; return; fi
     local t0; t0=$(date +%s)
@@ -58,7 +60,7 @@ G=(taskset -c "$GPU_CPUS")
 # Correctness and memory first, in parallel (none of them is timed).
 pids=()
 wants tests && { step tests_cuda 180 "${G[@]}" $PY -m pytest -q -p no:cacheprovider -rs tests/ops/test_overflow.py \
-    tests/ops/test_offload_ops.py tests/passes/rewrite/test_offload.py & pids+=($!); }
+    tests/ops/test_offload_ops.py tests/passes/rewrite/test_offload.py tests/ops/test_fp8.py & pids+=($!); }
 wants peak && { step peak_prediction 180 "${G[@]}" $PY benchmarks/peak_prediction.py --device cuda --out "$W/results" & pids+=($!); }
 wants train && { step train_gpt 180 "${G[@]}" $PY examples/train_gpt.py --device cuda --steps 12 \
     --telemetry "$W/results/train_gpt_telemetry.jsonl" & pids+=($!); }
@@ -68,11 +70,15 @@ fi
 (( ${#pids[@]} )) && wait "${pids[@]}"
 
 # Timed work, one at a time on the GPU.
-wants stall && step checkpoint_stall 90 "${G[@]}" $PY benchmarks/checkpoint_stall.py --device cuda --out "$W/results"
 wants bench_gpt && step bench_gpt 240 "${G[@]}" $PY benchmarks/bench.py --device cuda --models gpt --steps 10 --warmup 2 \
     --out "$W/results/bench_gpt"
 wants bench_llama && step bench_llama 240 "${G[@]}" $PY benchmarks/bench.py --device cuda --models llama --steps 10 \
     --warmup 2 --out "$W/results/bench_llama"
+
+# fp8 against bf16 speed (torchao is not on the machine's image: dpcs's own fp8 linears only).
+wants precision && step precision_speed 120 "${G[@]}" $PY benchmarks/precision_speed.py --device cuda \
+    --strategies bf16,fp8_tensorwise,fp8_rowwise --steps 10 --warmup 3 --out "$W/results"
+wants stall && step checkpoint_stall 90 "${G[@]}" $PY benchmarks/checkpoint_stall.py --device cuda --out "$W/results"
 
 [[ -n "$CADENCE_PID" ]] && wait "$CADENCE_PID"
 cat "$W/rc.txt"
