@@ -24,6 +24,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from dpcs_compiler.cost.op_time import offload_ops_seconds
 from dpcs_compiler.cost.profiles import BUILTIN_PROFILES
 from dpcs_compiler.debug import progress
 from dpcs_compiler.debug.dump import SUMMARY_FILE
@@ -308,6 +309,9 @@ def hardware_table(resolved) -> Table:
     table.add_row("host to device", "-" if profile.host_to_device is None else f"{profile.host_to_device / 1e9:.3g} GB/s")
     table.add_row("device to host", "-" if profile.device_to_host is None else f"{profile.device_to_host / 1e9:.3g} GB/s")
     table.add_row("launch overhead", f"{profile.launch_overhead_s * 1e6:.3g} us")
+    if profile.host_to_device is not None:
+        ops = offload_ops_seconds(profile)
+        table.add_row("offload ops, per value", f"{ops * 1e6:.3g} us" + ("" if profile.offload_ops_s is not None else " (floor: not measured)"))
     table.add_row("memory", format_bytes(profile.memory_bytes))
     if profile.cpu_share is not None:
         table.add_row("CPU share", f"{profile.cpu_share:.2f}" + (" (busy: not cached)" if profile.busy else ""))

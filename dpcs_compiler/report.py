@@ -42,7 +42,7 @@ class CompileRecord:
     solver: str | None = None
     recomputed_values: int = 0
     offloaded_values: int = 0
-    plan_added_seconds: float | None = None  # estimated recompute and exposed copy time per step
+    plan_added_seconds: float | None = None  # estimated recompute, exposed copy and offload-op host time per step
     # What the plan recomputes by the profile's uncalibrated roofline ({"compute_s", "memory_s", "ops"}): with a
     # measured step time, one sample of `cost.calibration.fit_step_calibration` (`StepSample.of`).
     recompute_terms: dict[str, float] | None = None

@@ -52,7 +52,7 @@ from dpcs_compiler.files import write_text_atomic
 log = logging.getLogger(__name__)
 
 # 2: memory_bytes added; cpu_share measured on a kernel that runs on every thread (1 measured it on a matmul).
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: offload_ops_s
 
 BUSY_CPU_SHARE = 0.5  # a quiet CPU gives ~1 while a kernel runs on every thread; 2 competitors per CPU ~0.33
 
@@ -73,6 +73,10 @@ class HardwareProfile:
         (`measure_cpu_share`); None on CUDA and for built-in profiles.
     memory_bytes: the device's total memory (host RAM for a CPU), what a fractional or "auto" memory_budget
         is of when a graph is planned for this device from another kind of device; None if unknown.
+    offload_ops_s: host seconds to issue the four ops that move one value out and back (`dpcs.offload`,
+        `wait_offload`, `reload`, `wait_tensor`: Python custom ops with streams and events), measured on the
+        device without waiting for it; None where not measured (CPU, built-in profiles): then
+        `cost.op_time.offload_ops_seconds` gives a floor.
     """
 
     device_key: str
@@ -86,6 +90,7 @@ class HardwareProfile:
     measured_at: str
     cpu_share: float | None = None
     memory_bytes: int | None = None
+    offload_ops_s: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "matmul_flops", types.MappingProxyType(dict(self.matmul_flops)))
@@ -110,6 +115,12 @@ class HardwareProfile:
             )
         if self.cpu_share is not None and (not _is_real(self.cpu_share) or not 0 <= self.cpu_share < math.inf):
             raise ValueError(f"hardware profile: cpu_share must be None or finite and >= 0, got {self.cpu_share!r}")
+        if self.offload_ops_s is not None and (
+            not _is_real(self.offload_ops_s) or not 0 <= self.offload_ops_s < math.inf
+        ):
+            raise ValueError(
+                f"hardware profile: offload_ops_s must be None or finite and >= 0, got {self.offload_ops_s!r}"
+            )
         if self.memory_bytes is not None and (
             not isinstance(self.memory_bytes, int) or isinstance(self.memory_bytes, bool) or self.memory_bytes <= 0
         ):
@@ -396,6 +407,7 @@ def measure_hardware_profile(device: torch.device | str) -> HardwareProfile:
 
         tiny = torch.ones(1, device=dev)
         launch = _median_seconds(lambda: torch.add(tiny, tiny), sync, plan)
+        offload_ops = _offload_ops_seconds(dev, sync) if cuda else None
         if not cuda:
             # Competing processes hold the CPU for a while: the less disturbed of two readings, one before and
             # one after the benchmarks, keeps a passing burst from marking an idle machine busy.
@@ -413,7 +425,36 @@ def measure_hardware_profile(device: torch.device | str) -> HardwareProfile:
         measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         cpu_share=None if cuda else max(shares),
         memory_bytes=device_memory(dev).total_bytes,
+        offload_ops_s=offload_ops,
     )
+
+
+def _offload_ops_seconds(device: torch.device, sync: Callable[[], None], rounds: int = 50, repeats: int = 5) -> float:
+    """Host seconds per value of the offload ops, as a training step issues them: a 4 KiB value copied out
+    and back `rounds` times without waiting for the device in between, the median of `repeats` such runs.
+    The copies are tiny, so the device keeps up and the time is the host's: what the ops add to a step whose
+    kernels are short (on a step whose kernels are long it hides behind them, as launches do)."""
+    from dpcs_compiler.ops import offload_ops  # noqa: F401  (registers the ops)
+
+    ops = torch.ops.dpcs
+    value = torch.ones(1024, device=device)
+
+    def one_round() -> None:
+        host = ops.offload(value)
+        ops.wait_offload(host, value)
+        ops.wait_tensor(ops.reload(host, device))
+
+    for _ in range(3):
+        one_round()
+    sync()
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(rounds):
+            one_round()
+        runs.append((time.perf_counter() - start) / rounds)
+        sync()
+    return statistics.median(runs)
 
 
 # ----------------------------------------------------------------------------------------------- cache

@@ -40,6 +40,8 @@ class Candidate:
     produced: step that makes it; last_forward_use: last forward step that reads it (>= produced);
     first_backward_use / last_use: first and last backward steps that read it.
     recompute_inputs: indices of other candidates that must be in memory to recompute it.
+    transfer_seconds: one copy's time (out, or back), hidden behind compute where the schedule leaves room;
+    offload_ops_seconds: the host time of the ops that move it, never hidden (`cost.op_time.offload_ops_seconds`).
     """
 
     name: str
@@ -52,6 +54,7 @@ class Candidate:
     recompute_transient: int = 0
     recompute_inputs: tuple[int, ...] = ()
     transfer_seconds: float = 0.0
+    offload_ops_seconds: float = 0.0
     can_recompute: bool = True
     can_offload: bool = False
 
@@ -146,6 +149,11 @@ class MemoryProblem:
         reload_window = self._starts[c.first_backward_use] - self._starts[self.reload_step(index)]
         offload_window = self._starts[self.backward_start] - self._starts[c.produced + 1]  # forward waits at its end
         return max(0.0, c.transfer_seconds - reload_window) + max(0.0, c.transfer_seconds - offload_window)
+
+    def offload_seconds(self, index: int) -> float:
+        """Seconds offloading the candidate adds to the step: its copies' exposed time and its ops' host time,
+        which nothing hides."""
+        return self.exposed_transfer_seconds(index) + self.candidates[index].offload_ops_seconds
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -256,5 +264,5 @@ def plan_seconds(problem: MemoryProblem, decisions: Sequence[str]) -> float:
         if d == RECOMPUTE:
             added += c.recompute_seconds
         elif d == OFFLOAD:
-            added += problem.exposed_transfer_seconds(i)
+            added += problem.offload_seconds(i)
     return added

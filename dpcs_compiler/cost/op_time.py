@@ -126,6 +126,26 @@ def node_seconds(
     return combine_seconds(*roofline_terms(node_cost, dtype, profile), profile, calibration)
 
 
+# Host seconds of one offloaded value's four ops where the profile has no measurement (a built-in profile, or
+# one measured before format 3): their CPU path, which makes no streams or events, measured 53 us per value
+# on a 2-core AVX2 EPYC (torch 2.13); the CUDA path does more, so this is a floor.
+OFFLOAD_OPS_FLOOR_S = 50e-6
+
+
+def offload_ops_seconds(profile: HardwareProfile) -> float:
+    """Host seconds one offloaded value's ops add to a step, in full: the host issues them in line with the
+    step's kernels, so unlike the copies themselves (`transfer_seconds`, hidden behind compute where the
+    window allows) they are not hidden. The profile's measurement, else `OFFLOAD_OPS_FLOOR_S`.
+
+    A CPU profile has no host link: ValueError.
+    """
+    if profile.host_to_device is None:
+        raise ValueError(
+            f"profile {profile.device_key!r} has no host link (a CPU device is its own host): no offload ops"
+        )
+    return profile.offload_ops_s if profile.offload_ops_s is not None else OFFLOAD_OPS_FLOOR_S
+
+
 def transfer_seconds(nbytes: int, profile: HardwareProfile, *, to_host: bool = True) -> float:
     """Seconds to copy `nbytes` one way over the pinned host link (device to host, or back with to_host=False).
 

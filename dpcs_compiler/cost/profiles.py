@@ -15,7 +15,9 @@ precision ("highest"; TF32 needs `torch.set_float32_matmul_precision("high")`). 
 direction of the PCIe slot (half the bidirectional figure the datasheets quote). Kernels reach 60-80% of
 these peaks, about alike for every op, so the plan's choices (which depend on ratios of costs) hold while
 its absolute time estimates are optimistic. `launch_overhead_s` is not a datasheet figure: 5 us is a
-typical eager CUDA kernel launch.
+typical eager CUDA kernel launch. Nor is the host time of an offload's ops, which these profiles leave
+unmeasured: each offloaded value costs `cost.op_time.OFFLOAD_OPS_FLOOR_S` (a floor; a measured profile of the
+GPU itself has its own figure).
 
 Sources: NVIDIA H100 Tensor Core GPU datasheet (SXM5 80GB); NVIDIA A100 datasheet (SXM4 80GB); NVIDIA L4
 datasheet; NVIDIA Ada GPU architecture whitepaper, appendix (GeForce RTX 4090).

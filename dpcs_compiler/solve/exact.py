@@ -108,7 +108,7 @@ def _formulate(problem: MemoryProblem) -> _Program:
         upper[3 * i + 1] = 1.0 if c.can_recompute else 0.0
         upper[3 * i + 2] = 1.0 if c.can_offload else 0.0
         cost[3 * i + 1] = c.recompute_seconds if c.can_recompute else 0.0
-        cost[3 * i + 2] = problem.exposed_transfer_seconds(i) if c.can_offload else 0.0
+        cost[3 * i + 2] = problem.offload_seconds(i) if c.can_offload else 0.0
 
     link_rows: list[int] = []
     link_cols: list[int] = []

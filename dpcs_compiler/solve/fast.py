@@ -87,7 +87,7 @@ class Timeline:
             [
                 0.0,
                 c.recompute_seconds if c.can_recompute else math.inf,
-                problem.exposed_transfer_seconds(i) if c.can_offload else math.inf,
+                problem.offload_seconds(i) if c.can_offload else math.inf,
             ]
             for i, c in enumerate(cands)
         ]

@@ -18,7 +18,7 @@ from dpcs_compiler.cost.budget import DeviceMemory, resolve_budget, torch_plan_l
 from dpcs_compiler.cost.hardware import HardwareProfile
 from dpcs_compiler.cost.memory_model import OFFLOAD, RECOMPUTE, SAVE, MemoryProblem, plan_memory
 from dpcs_compiler.cost.calibration import recompute_terms
-from dpcs_compiler.cost.op_time import combine_seconds, roofline_terms, transfer_seconds
+from dpcs_compiler.cost.op_time import combine_seconds, offload_ops_seconds, roofline_terms, transfer_seconds
 from dpcs_compiler.cost.step_model import StepContext, TorchLevels, in_step, least_held_cap
 from dpcs_compiler.debug.render import format_bytes
 from dpcs_compiler.passes.analysis import op_cost
@@ -266,8 +266,12 @@ class _PlanningView:
             return combine_seconds(*terms(node), profile, calibration)
 
         # Offload is a host link's: the profile's (a GPU profile plans offloads even for a graph traced on CPU).
-        transfer = (lambda nbytes: transfer_seconds(nbytes, profile)) if profile.host_to_device is not None else None
-        return cls(schedule, planning, planning.memory_problem(seconds, transfer), terms)
+        if profile.host_to_device is None:
+            return cls(schedule, planning, planning.memory_problem(seconds), terms)
+        problem = planning.memory_problem(
+            seconds, lambda nbytes: transfer_seconds(nbytes, profile), offload_ops_seconds(profile)
+        )
+        return cls(schedule, planning, problem, terms)
 
 
 def _solve_in_step(problem: MemoryProblem, context: StepContext | None, target: int,

@@ -57,8 +57,19 @@ def test_measuring_this_cpu_gives_positive_finite_figures_and_no_host_link():
         assert math.isfinite(rate) and 1e6 < rate < 1e16
     assert 0 < profile.launch_overhead_s < 1e-3  # a 1-element add on a CPU
     assert profile.host_to_device is None and profile.device_to_host is None
+    assert profile.offload_ops_s is None  # no offload on a CPU
     assert 0 < profile.cpu_share  # how busy the machine was is not the test's to decide
     assert profile.memory_bytes > 2**30
+
+
+def test_the_offload_ops_are_timed_as_a_step_issues_them():
+    """The CUDA measurement's loop, run on the ops' CPU path (synchronous copies): a round of the four ops takes
+    host time, and leaves no copy event pending."""
+    from dpcs_compiler.ops.offload_ops import pending_events
+
+    seconds = hardware._offload_ops_seconds(torch.device("cpu"), lambda: None, rounds=5, repeats=3)
+    assert 0 < seconds < 0.1
+    assert pending_events() == 0
 
 
 def test_a_backend_measures_real_kernels_while_dynamos_fake_mode_is_active():
@@ -226,8 +237,16 @@ def test_the_default_cache_dir_follows_dpcs_cache_dir(tmp_path, monkeypatch, cou
 
 def test_json_round_trips_a_cuda_like_profile():
     profile = fake_profile(device_key="cuda:NVIDIA H100 80GB HBM3:9.0", host_to_device=2.5e10, device_to_host=2.4e10,
-                           matmul_flops={"float32": 5e13, "bfloat16": 7e14, "float8_e4m3fn": 1.4e15}, cpu_share=None)
+                           matmul_flops={"float32": 5e13, "bfloat16": 7e14, "float8_e4m3fn": 1.4e15}, cpu_share=None,
+                           offload_ops_s=1.5e-4)
     assert profile_from_json(profile_to_json(profile)) == profile
+    assert profile_from_json(profile_to_json(profile)).offload_ops_s == 1.5e-4
+
+
+@pytest.mark.parametrize("value", [-1e-6, math.inf, math.nan, True, "fast"])
+def test_a_bad_offload_ops_time_is_a_value_error_naming_it(value):
+    with pytest.raises(ValueError, match="offload_ops_s must be None or finite and >= 0"):
+        fake_profile(offload_ops_s=value)
 
 
 @pytest.mark.parametrize(

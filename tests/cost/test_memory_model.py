@@ -135,3 +135,16 @@ def test_a_schedule_credit_lowers_the_phases_not_what_is_held_between_them():
     assert p.with_schedule_credit(0, 0) is p
     with pytest.raises(ValueError, match="<= 0"):
         p.with_schedule_credit(5, 0)
+
+
+def test_an_offload_costs_its_ops_host_time_in_full_beside_its_exposed_copies():
+    """The copies hide behind compute where the schedule leaves room; the ops that issue them do not."""
+    p = problem()
+    ops = dataclasses.replace(p.candidates[1], offload_ops_seconds=0.25)
+    with_ops = dataclasses.replace(p, candidates=(p.candidates[0], ops))
+    assert p.offload_seconds(1) == pytest.approx(0.5)  # the exposed copy time alone, as before
+    assert with_ops.offload_seconds(1) == pytest.approx(0.5 + 0.25)
+    assert plan_seconds(with_ops, (SAVE, OFFLOAD)) == pytest.approx(0.75)
+    hidden = dataclasses.replace(ops, transfer_seconds=0.0)  # a copy fully hidden still costs the ops
+    assert dataclasses.replace(p, candidates=(p.candidates[0], hidden)).offload_seconds(1) == pytest.approx(0.25)
+    assert plan_memory(with_ops, (SAVE, OFFLOAD)).bytes_during.tolist() == plan_memory(p, (SAVE, OFFLOAD)).bytes_during.tolist()

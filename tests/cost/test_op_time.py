@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from dpcs_compiler.cost.calibration import Calibration
 from dpcs_compiler.cost.hardware import FORMAT_VERSION, HardwareProfile
-from dpcs_compiler.cost.op_time import node_seconds, roofline_seconds, transfer_seconds
+from dpcs_compiler.cost.op_time import (
+    OFFLOAD_OPS_FLOOR_S,
+    node_seconds,
+    offload_ops_seconds,
+    roofline_seconds,
+    transfer_seconds,
+)
 from dpcs_compiler.types import NodeCost
 
 OVERHEAD = 1e-6
@@ -98,3 +106,12 @@ def test_transfers_use_the_host_link_of_their_direction():
 def test_a_cpu_profile_has_no_transfer_time():
     with pytest.raises(ValueError, match="no host link"):
         transfer_seconds(1024, profile())
+
+
+def test_the_offload_ops_cost_the_profiles_measurement_else_a_floor():
+    gpu = profile(device_key="cuda:test:9.0", device_to_host=2e10, host_to_device=4e10)
+    assert offload_ops_seconds(gpu) == OFFLOAD_OPS_FLOOR_S  # a built-in profile, or one measured before format 3
+    assert offload_ops_seconds(dataclasses.replace(gpu, offload_ops_s=1.5e-4)) == 1.5e-4
+    assert offload_ops_seconds(dataclasses.replace(gpu, offload_ops_s=0.0)) == 0.0  # measured as nothing: nothing
+    with pytest.raises(ValueError, match="no host link"):
+        offload_ops_seconds(profile())

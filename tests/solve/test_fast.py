@@ -9,8 +9,18 @@ import time
 import numpy as np
 import pytest
 
-from dpcs_compiler.cost.memory_model import OFFLOAD, RECOMPUTE, SAVE, MemoryProblem, floor_bytes, plan_memory, plan_seconds
+from dpcs_compiler.cost.memory_model import (
+    OFFLOAD,
+    RECOMPUTE,
+    SAVE,
+    Candidate,
+    MemoryProblem,
+    floor_bytes,
+    plan_memory,
+    plan_seconds,
+)
 from dpcs_compiler.solve import fits, solve_fast
+from dpcs_compiler.solve.exact import solve_exact
 from dpcs_compiler.solve.fast import Timeline
 from dpcs_compiler.solve.synthetic import random_problem
 
@@ -186,3 +196,22 @@ def test_a_budget_at_the_lowest_peak_reported_is_met(seed: int) -> None:
     for budget in (lowest.peak_bytes, lowest.peak_bytes + 4096):
         solution = solve_fast(problem, budget)
         assert solution.feasible and solution.peak_bytes <= budget, (budget, solution.peak_bytes)
+
+
+def offload_or_recompute(offload_ops_seconds: float) -> MemoryProblem:
+    """One value whose copies hide behind 1 s steps (1 ms each way) and whose recomputation costs 100 us: the
+    budget needs it out of memory, and the host time of its offload ops decides how."""
+    value = Candidate("v", 1000, 0, 1, 6, 7, recompute_seconds=100e-6, transfer_seconds=1e-3, can_offload=True,
+                      offload_ops_seconds=offload_ops_seconds)
+    base = np.array([100, 100, 100, 2000, 2000, 100, 100, 100])  # saved, it peaks at 3000 in steps 3 and 4
+    return MemoryProblem(base_bytes=base, step_seconds=np.ones(8), backward_start=5, candidates=(value,))
+
+
+@pytest.mark.parametrize("solver", ["fast", "exact"])
+@pytest.mark.parametrize("ops_seconds, chosen", [(0.0, OFFLOAD), (50e-6, OFFLOAD), (150e-6, RECOMPUTE)])
+def test_the_host_time_of_offload_ops_decides_against_a_cheap_recomputation(solver, ops_seconds, chosen):
+    problem = offload_or_recompute(ops_seconds)
+    solve = solve_fast if solver == "fast" else solve_exact
+    solution = solve(problem, 2500)
+    assert solution.feasible and solution.decisions == (chosen,)
+    assert plan_seconds(problem, solution.decisions) == pytest.approx(min(ops_seconds, 100e-6))
