@@ -251,6 +251,7 @@ def _hardware_command(args: argparse.Namespace, parser: argparse.ArgumentParser,
 
     from dpcs_compiler.cost.hardware import profile_to_json
     from dpcs_compiler.cost.profiles import MEASURE, parse_profile_spec, resolve_profile
+    from dpcs_compiler.ops import offload_ops  # noqa: F401  (times its ops in a CUDA profile measured here)
 
     if args.profile is not None:
         value, source = args.profile, "--profile"

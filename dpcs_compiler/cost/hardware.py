@@ -176,6 +176,10 @@ def profile_from_json(text: str) -> HardwareProfile:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"hardware profile: not JSON ({e})") from e
     names = {f.name for f in dataclasses.fields(HardwareProfile)}
+    if isinstance(data, dict) and data.get("format_version") == 2 and "offload_ops_s" not in data:
+        # Format 2 lacked the offload ops' time: a file pinned then (perhaps measured on a GPU not here) is
+        # read with it unmeasured, which costs the ops at the floor (`cost.op_time.offload_ops_seconds`).
+        data = {**data, "format_version": FORMAT_VERSION, "offload_ops_s": None}
     if isinstance(data, dict) and data.get("format_version", FORMAT_VERSION) != FORMAT_VERSION:
         raise ValueError(f"hardware profile: format {data['format_version']!r}, this dpcs reads format {FORMAT_VERSION}")
     if not isinstance(data, dict) or set(data) != names:
@@ -407,7 +411,7 @@ def measure_hardware_profile(device: torch.device | str) -> HardwareProfile:
 
         tiny = torch.ones(1, device=dev)
         launch = _median_seconds(lambda: torch.add(tiny, tiny), sync, plan)
-        offload_ops = _offload_ops_seconds(dev, sync) if cuda else None
+        offload_ops = _offload_ops_timer(dev, sync) if cuda and _offload_ops_timer is not None else None
         if not cuda:
             # Competing processes hold the CPU for a while: the less disturbed of two readings, one before and
             # one after the benchmarks, keeps a passing burst from marking an idle machine busy.
@@ -429,32 +433,16 @@ def measure_hardware_profile(device: torch.device | str) -> HardwareProfile:
     )
 
 
-def _offload_ops_seconds(device: torch.device, sync: Callable[[], None], rounds: int = 50, repeats: int = 5) -> float:
-    """Host seconds per value of the offload ops, as a training step issues them: a 4 KiB value copied out
-    and back `rounds` times without waiting for the device in between, the median of `repeats` such runs.
-    The copies are tiny, so the device keeps up and the time is the host's: what the ops add to a step whose
-    kernels are short (on a step whose kernels are long it hides behind them, as launches do)."""
-    from dpcs_compiler.ops import offload_ops  # noqa: F401  (registers the ops)
+# The host time of one offloaded value's ops (`ops.offload_ops.host_seconds_per_value`), registered by that
+# module when it is imported (this layer does not import the ops): the backend, the runtime and `dpcs hardware`
+# import it before they measure. A CUDA profile measured without it leaves `offload_ops_s` unmeasured.
+_offload_ops_timer: Callable[[torch.device, Callable[[], None]], float] | None = None
 
-    ops = torch.ops.dpcs
-    value = torch.ones(1024, device=device)
 
-    def one_round() -> None:
-        host = ops.offload(value)
-        ops.wait_offload(host, value)
-        ops.wait_tensor(ops.reload(host, device))
-
-    for _ in range(3):
-        one_round()
-    sync()
-    runs = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(rounds):
-            one_round()
-        runs.append((time.perf_counter() - start) / rounds)
-        sync()
-    return statistics.median(runs)
+def register_offload_ops_timer(timer: Callable[[torch.device, Callable[[], None]], float]) -> None:
+    """How `measure_hardware_profile` times the offload ops on a CUDA device: timer(device, sync) -> seconds."""
+    global _offload_ops_timer
+    _offload_ops_timer = timer
 
 
 # ----------------------------------------------------------------------------------------------- cache

@@ -59,6 +59,9 @@ class Candidate:
     can_offload: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("transfer_seconds", "offload_ops_seconds"):
+            if not 0.0 <= getattr(self, name) < float("inf"):
+                raise ValueError(f"candidate {self.name!r}: {name} must be finite and >= 0, got {getattr(self, name)!r}")
         if not self.produced <= self.last_forward_use < self.first_backward_use <= self.last_use:
             raise ValueError(
                 f"candidate {self.name!r}: need produced <= last_forward_use < first_backward_use <= last_use, got "

@@ -38,6 +38,7 @@ import torch
 from dpcs_compiler import rank_agreement
 from dpcs_compiler.cost.calibration import StepFit, StepSample, fit_step_calibration
 from dpcs_compiler.cost.profiles import resolve_profile
+from dpcs_compiler.ops import offload_ops  # noqa: F401  (times its ops in a CUDA profile measured here)
 from dpcs_compiler.options import parse_memory_budget
 from dpcs_compiler.report import compile_count
 from dpcs_compiler.runtime.curvature import CurvatureProbe

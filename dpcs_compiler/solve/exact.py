@@ -31,7 +31,7 @@ from scipy.sparse import coo_array
 
 from dpcs_compiler.cost.memory_model import DECISIONS, MemoryProblem, plan_memory
 from dpcs_compiler.solve.fast import solve_fast
-from dpcs_compiler.solve.solution import Solution, measured_solution
+from dpcs_compiler.solve.solution import Solution, measured_solution, solved_solution
 
 _RETIGHTEN_LIMIT = 20
 _CUT_LIMIT = 5
@@ -375,10 +375,10 @@ def solve_exact(problem: MemoryProblem, budget_bytes: int, *, time_limit_s: floa
         fast = solve_fast(problem, budget_bytes)
         decisions, proven = _lowest_peak_fastest(problem, prog, budget_bytes, fast.decisions, deadline)
     if decisions is not None and proven:
-        return measured_solution(problem, decisions, budget_bytes, "exact", time.perf_counter() - start)
+        return solved_solution(problem, decisions, budget_bytes, "exact", time.perf_counter() - start)
     best = fast if fast is not None else solve_fast(problem, budget_bytes)
     if decisions is not None:
-        exact = measured_solution(problem, decisions, budget_bytes, "exact", 0.0)
+        exact = solved_solution(problem, decisions, budget_bytes, "exact", 0.0)
         if _rank(exact) <= _rank(best):
             best = exact
     return dataclasses.replace(best, solve_seconds=time.perf_counter() - start)

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import numpy as np
 
 from dpcs_compiler.cost.memory_model import DECISIONS, MemoryProblem, floor_bytes
-from dpcs_compiler.solve.solution import Solution, measured_solution
+from dpcs_compiler.solve.solution import Solution, solved_solution
 
 SAVE_, RECOMPUTE_, OFFLOAD_ = 0, 1, 2  # indices into DECISIONS
 _FREE = 1e-15  # an added time at or below this counts as free
@@ -656,7 +656,7 @@ def solve_fast(problem: MemoryProblem, budget_bytes: int, *, lowest_when_over: b
     given = int(budget_bytes)
     tl = Timeline(problem)
     if not tl.n or tl.peak() <= given:  # all-SAVE fits, or nothing to decide
-        return measured_solution(problem, tl.decisions(), given, "fast", time.perf_counter() - started)
+        return solved_solution(problem, tl.decisions(), given, "fast", time.perf_counter() - started)
     floor = int(tl.base.max())  # no plan goes below the base bytes
     # Every budget below the floor is searched as 0: its answer, the lowest plan, is the same for all of them
     # (what `memory_budget=1` reports as the smallest reachable peak), and every budget at or above that
@@ -670,7 +670,7 @@ def solve_fast(problem: MemoryProblem, budget_bytes: int, *, lowest_when_over: b
         # No plan fits (a step's floor is over): what the caller asked is answered; the plan given is the
         # one with everything out of memory that can be.
         tl.reset(out_of_memory)
-        return measured_solution(problem, tl.decisions(), budget, "fast", time.perf_counter() - started)
+        return solved_solution(problem, tl.decisions(), budget, "fast", time.perf_counter() - started)
     best: list = []  # [(peak, seconds), decisions]
 
     def consider(start: list[int]) -> tuple[int, float]:
@@ -694,7 +694,7 @@ def solve_fast(problem: MemoryProblem, budget_bytes: int, *, lowest_when_over: b
     _price_search(tl, budget, consider, best[0][1] if best[0][0] <= budget else math.inf)
     if best[0][0] > budget and not lowest_when_over:
         tl.reset(best[1])
-        return measured_solution(problem, tl.decisions(), budget, "fast", time.perf_counter() - started)
+        return solved_solution(problem, tl.decisions(), budget, "fast", time.perf_counter() - started)
     if best[0][0] > budget:
         # Nothing fitted: push for the lowest peak, whatever the budget (it may turn out to fit after all).
         lowest = None
@@ -714,7 +714,7 @@ def solve_fast(problem: MemoryProblem, budget_bytes: int, *, lowest_when_over: b
         tl.reset(best[1])
     if local_search:
         improve(tl, max(budget, tl.peak()))
-    return measured_solution(problem, tl.decisions(), given, "fast", time.perf_counter() - started)
+    return solved_solution(problem, tl.decisions(), given, "fast", time.perf_counter() - started)
 
 
 def _lowest_of_all(problem: MemoryProblem, tl: Timeline, lowest: tuple[int, list[int]], local_search: bool

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from dpcs_compiler.cost.memory_model import MemoryProblem, plan_memory, plan_seconds
+from dpcs_compiler.cost.memory_model import OFFLOAD, SAVE, MemoryProblem, plan_memory, plan_seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,3 +40,21 @@ def measured_solution(
         solver=solver,
         solve_seconds=solve_seconds,
     )
+
+
+def solved_solution(
+    problem: MemoryProblem, decisions: Sequence[str], budget_bytes: int, solver: str, solve_seconds: float
+) -> Solution:
+    """A solver's answer: `measured_solution` of its decisions with every free offload saved instead where
+    that keeps the plan within the budget (over it, where the peak does not rise). An offload whose copies
+    hide and whose ops cost nothing (a profile that says so) ties with keeping the value, and a solver may
+    land on either; moving memory that lowers no peak is never the better of the two."""
+    decisions = list(decisions)
+    free = [i for i, d in enumerate(decisions) if d == OFFLOAD and problem.offload_seconds(i) == 0.0]
+    if free:
+        limit = max(int(budget_bytes), plan_memory(problem, decisions).peak_bytes)
+        for i in free:
+            trial = [*decisions[:i], SAVE, *decisions[i + 1:]]
+            if plan_memory(problem, trial).peak_bytes <= limit:
+                decisions = trial
+    return measured_solution(problem, decisions, budget_bytes, solver, solve_seconds)

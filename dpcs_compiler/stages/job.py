@@ -22,6 +22,7 @@ from dpcs_compiler.debug.progress import PassProgress
 from dpcs_compiler.cost.hardware import ResolvedProfile
 from dpcs_compiler.cost.memory_model import SAVE, MemoryProblem, plan_memory
 from dpcs_compiler.cost.profiles import resolve_profile
+from dpcs_compiler.ops import offload_ops  # noqa: F401  (times its ops in a CUDA profile measured here)
 from dpcs_compiler.cost.step_model import GraphStep, TorchLevels, in_step
 from dpcs_compiler.debug.render import format_bytes
 from dpcs_compiler.options import DpcsOptions

@@ -78,6 +78,9 @@ def test_bad_decisions_are_named(decisions, message):
 def test_bad_candidates_are_named():
     with pytest.raises(ValueError, match="candidate 'x'"):
         Candidate("x", 1, produced=3, last_forward_use=2, first_backward_use=5, last_use=6)
+    for field in ("transfer_seconds", "offload_ops_seconds"):
+        with pytest.raises(ValueError, match=f"candidate 'x': {field} must be finite and >= 0"):
+            Candidate("x", 1, 0, 1, 2, 3, can_offload=True, **{field: -1e-6})
     with pytest.raises(ValueError, match="recompute inputs must be earlier"):
         MemoryProblem(np.zeros(4), np.ones(4), 2, (Candidate("x", 1, 0, 0, 2, 3, recompute_inputs=(0,)),))
 

@@ -223,3 +223,25 @@ def test_cuda_release_drops_streams_and_events():
     release_offload_state()
     assert not offload_ops._side_streams and pending_events() == 0
     torch.testing.assert_close(host, x.cpu(), rtol=0, atol=0)  # release finished the copy first
+
+
+def test_the_ops_host_time_is_timed_as_a_step_issues_them():
+    """The loop the CUDA profile times (`offload_ops_s`), on the ops' CPU path (synchronous copies): a round of
+    the four ops takes host time and leaves no copy event pending."""
+    seconds = offload_ops.host_seconds_per_value(torch.device("cpu"), lambda: None, rounds=5, repeats=3)
+    assert 0 < seconds < 0.1
+    assert pending_events() == 0
+
+
+@needs_cuda
+def test_cuda_the_profile_times_the_offload_ops_on_the_host():
+    """What `measure_hardware_profile` puts in `offload_ops_s` on CUDA: the host time of one value's four ops,
+    above a kernel launch's and under a millisecond, with no copy event left pending."""
+    from dpcs_compiler.cost.hardware import measure_hardware_profile
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    seconds = offload_ops.host_seconds_per_value(device, lambda: torch.cuda.synchronize(device))
+    print(f"offload ops on {torch.cuda.get_device_name(device)}: {seconds * 1e6:.1f} us per value")
+    assert 1e-6 < seconds < 1e-3
+    assert pending_events() == 0
+    assert measure_hardware_profile(device).offload_ops_s is not None

@@ -215,3 +215,19 @@ def test_the_host_time_of_offload_ops_decides_against_a_cheap_recomputation(solv
     solution = solve(problem, 2500)
     assert solution.feasible and solution.decisions == (chosen,)
     assert plan_seconds(problem, solution.decisions) == pytest.approx(min(ops_seconds, 100e-6))
+
+
+@pytest.mark.parametrize("solver", ["fast", "exact"])
+def test_an_offload_that_costs_nothing_is_made_only_where_the_budget_or_the_lowest_peak_needs_it(solver):
+    """A profile may say the ops are free (`offload_ops_s=0`): then an offload whose copies hide ties with
+    keeping the value, and the plan keeps the value unless the budget (or, when none fits, the lowest peak)
+    needs it out."""
+    v = offload_or_recompute(0.0).candidates[0]
+    small = Candidate("small", 10, 0, 0, 7, 7, recompute_seconds=1e-3, transfer_seconds=1e-3, can_offload=True)
+    base = np.array([100, 100, 100, 2000, 2000, 100, 100, 100])
+    problem = MemoryProblem(base_bytes=base, step_seconds=np.ones(8), backward_start=5, candidates=(v, small))
+    solve = solve_fast if solver == "fast" else solve_exact
+    fits_without = solve(problem, 2500)  # v out is enough: 2010
+    assert fits_without.feasible and fits_without.decisions == (OFFLOAD, SAVE) and fits_without.peak_bytes == 2010
+    lowest = solve(problem, 1000)  # nothing fits: the lowest peak, 2000, needs both out
+    assert not lowest.feasible and lowest.decisions == (OFFLOAD, OFFLOAD) and lowest.peak_bytes == 2000

@@ -71,11 +71,14 @@ class PlanningGraph:
         self,
         node_seconds: Callable[[fx.Node], float],
         transfer_seconds: Callable[[int], float] | None = None,
-        offload_ops_seconds: float = 0.0,
+        offload_ops_seconds: float | None = None,
     ) -> MemoryProblem:
         """The pure problem the solvers take: step times from `node_seconds`; offload allowed (and costed:
-        each copy's `transfer_seconds`, and `offload_ops_seconds` of host time per value) only when
-        `transfer_seconds` is given (a device with a host link)."""
+        each copy's `transfer_seconds`, and `offload_ops_seconds` of host time per value, both needed) only
+        when `transfer_seconds` is given (a device with a host link)."""
+        if (transfer_seconds is None) != (offload_ops_seconds is None):
+            raise ValueError("memory_problem: an offload is costed by transfer_seconds and offload_ops_seconds together; "
+                             f"got transfer_seconds={transfer_seconds!r}, offload_ops_seconds={offload_ops_seconds!r}")
         step_seconds = np.array([node_seconds(n) for n in self.schedule.nodes], dtype=np.float64)
         # Two couplings the memory model does not carry, ruled out instead (a plan with them would hold
         # memory the model does not count): a candidate whose recomputation reads an input after that
@@ -101,7 +104,7 @@ class PlanningGraph:
                     recompute_transient=c.transient,
                     recompute_inputs=c.recompute_inputs,
                     transfer_seconds=transfer_seconds(c.nbytes) if transfer_seconds is not None else 0.0,
-                    offload_ops_seconds=offload_ops_seconds if transfer_seconds is not None else 0.0,
+                    offload_ops_seconds=offload_ops_seconds if offload_ops_seconds is not None else 0.0,
                     can_recompute=not c.random and i not in late_input,
                     can_offload=transfer_seconds is not None and i not in read_by_recompute,
                 )

@@ -145,7 +145,7 @@ def test_recomputations_that_would_outlive_their_inputs_are_ruled_out(monkeypatc
     compiled = torch.compile(w.model, backend="dpcs", options={"compiler": "eager", "strict": True, "memory_budget": 2**40})
     w.loss_fn(compiled(*w.inputs)).backward()
     (planning,) = seen
-    problem = planning.memory_problem(lambda node: 1e-6, transfer_seconds=lambda nbytes: 1e-6)
+    problem = planning.memory_problem(lambda node: 1e-6, transfer_seconds=lambda nbytes: 1e-6, offload_ops_seconds=0.0)
     late = [
         i for i, c in enumerate(planning.candidates)
         if any(planning.candidates[j].last_use < c.first_backward_use for j in c.recompute_inputs)
