@@ -25,10 +25,10 @@ from collections.abc import Callable
 import numpy as np
 
 from dpcs_compiler.cost.memory_model import DECISIONS, MemoryProblem, floor_bytes
-from dpcs_compiler.solve.solution import Solution, solved_solution
+from dpcs_compiler.solve.solution import FREE_SECONDS as _FREE
+from dpcs_compiler.solve.solution import Solution, measured_solution, solved_solution
 
 SAVE_, RECOMPUTE_, OFFLOAD_ = 0, 1, 2  # indices into DECISIONS
-_FREE = 1e-15  # an added time at or below this counts as free
 _EXACT_RANKED = 4  # greedy: how many of the screen's best changes are ranked again on exact effects
 _PRICE_ROUNDS = 60  # subgradient steps on the step prices
 _PRICE_PLANS = 60  # at most this many of their plans are repaired into candidate answers
@@ -656,7 +656,7 @@ def solve_fast(problem: MemoryProblem, budget_bytes: int, *, lowest_when_over: b
     given = int(budget_bytes)
     tl = Timeline(problem)
     if not tl.n or tl.peak() <= given:  # all-SAVE fits, or nothing to decide
-        return solved_solution(problem, tl.decisions(), given, "fast", time.perf_counter() - started)
+        return measured_solution(problem, tl.decisions(), given, "fast", time.perf_counter() - started)
     floor = int(tl.base.max())  # no plan goes below the base bytes
     # Every budget below the floor is searched as 0: its answer, the lowest plan, is the same for all of them
     # (what `memory_budget=1` reports as the smallest reachable peak), and every budget at or above that

@@ -8,6 +8,9 @@ from collections.abc import Sequence
 from dpcs_compiler.cost.memory_model import OFFLOAD, SAVE, MemoryProblem, plan_memory, plan_seconds
 
 
+FREE_SECONDS = 1e-15  # an added time at or below this counts as free
+
+
 @dataclasses.dataclass(frozen=True)
 class Solution:
     """One decision per candidate, with the peak and added time `plan_memory` / `plan_seconds` give for it.
@@ -50,7 +53,7 @@ def solved_solution(
     hide and whose ops cost nothing (a profile that says so) ties with keeping the value, and a solver may
     land on either; moving memory that lowers no peak is never the better of the two."""
     decisions = list(decisions)
-    free = [i for i, d in enumerate(decisions) if d == OFFLOAD and problem.offload_seconds(i) == 0.0]
+    free = [i for i, d in enumerate(decisions) if d == OFFLOAD and problem.offload_seconds(i) <= FREE_SECONDS]
     if free:
         limit = max(int(budget_bytes), plan_memory(problem, decisions).peak_bytes)
         for i in free:
