@@ -127,8 +127,10 @@ def node_seconds(
 
 
 # Host seconds of one offloaded value's four ops where the profile has no measurement (a built-in profile, or
-# one measured before format 3): their CPU path, which makes no streams or events, measured 53 us per value
-# on a 2-core AVX2 EPYC (torch 2.13); the CUDA path does more, so this is a floor.
+# one measured before format 3). Their CPU path, which makes no streams or events, measures 26-28 us per value
+# on a 2-core AVX2 EPYC (torch 2.13; 78-116 us while they were `torch.library.custom_op`s); the CUDA path
+# also switches streams and records and waits on events, three of each per value, and allocates pinned
+# memory. Not measured on a GPU yet: 50 us stands for it until a profile measures it.
 OFFLOAD_OPS_FLOOR_S = 50e-6
 
 

@@ -1,8 +1,11 @@
 """Custom ops that move a saved activation to host memory in forward and back to the device in backward.
 
-Four ops in the "dpcs" namespace, registered with `torch.library.custom_op` (with fake impls) so they live
-in FX graphs, pass through AOTAutograd and lower to Inductor fallback kernels on torch 2.11 and 2.13 alike
-(torch 2.13's own `ao::` offload ops are not on 2.11):
+Four ops in the "dpcs" namespace, defined with `torch.library.Library` (schema, one kernel for every device,
+fake impls) so they live in FX graphs, pass through AOTAutograd and lower to Inductor fallback kernels on
+torch 2.11 and 2.13 alike (torch 2.13's own `ao::` offload ops are not on 2.11). Not `torch.library.custom_op`:
+its Python autograd and checking layers cost about 20 us a call on the host, ten times this registration's,
+and a step issues four calls per offloaded value in line with its kernels (`host_seconds_per_value`). The ops
+have no autograd formula: they run inside compiled graphs, after the partition.
 
     host = dpcs.offload(x)              # forward, right after x is made: D2H copy on the side stream
     dpcs.wait_offload(host, x)          # forward, where x may be freed: compute stream waits for that copy
@@ -31,7 +34,7 @@ would cost the memory we are saving. Declaring the device tensor mutated (`Tenso
 dead code elimination and makes Inductor run every later reader of the tensor after it, on graphs that are
 already past functionalization (the rewrite runs after the partition). Inductor may still run the wait
 before an earlier reader that it fuses lazily (seen for wait_offload): that costs overlap, not correctness.
-The data is not changed, but the version counter is bumped: never pass a tensor autograd saved elsewhere.
+The data is not changed.
 
 Events are keyed by the data pointer of the copy's destination (the host buffer, dev): fresh allocations
 that stay alive until their consumer runs. `release_offload_state()` drops streams, events and cached pinned
@@ -41,13 +44,11 @@ plain copies and the waits do nothing; that is how CPU tests check graph structu
 
 from __future__ import annotations
 
-import inspect
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
-from torch.library import custom_op
 
 from dpcs_compiler.cost import hardware
 
@@ -69,15 +70,20 @@ _d2h_events: dict[int, torch.cuda.Event] = {}
 _h2d_events: dict[int, torch.cuda.Event] = {}
 
 
-def _op_tags() -> dict[str, object]:
-    """Make Inductor give our ops' inputs the stride order of their meta["val"] (x's layout is the host's).
+_LIB = torch.library.Library("dpcs", "FRAGMENT")  # the namespace is shared with dpcs's other ops
+# Make Inductor give the ops' inputs the stride order of their meta["val"] (x's layout is the host's). Not
+# needs_exact_strides: Inductor applies it only to nodes traced with `eager_input_vals`, which nodes inserted
+# after the partition do not have.
+_FIXED_STRIDES = (torch.Tag.needs_fixed_stride_order,)
 
-    Not needs_exact_strides: Inductor applies it only to nodes traced with `eager_input_vals`, which
-    nodes inserted after the partition do not have.
-    """
-    if "tags" not in inspect.signature(custom_op).parameters:
-        return {}
-    return {"tags": (torch.Tag.needs_fixed_stride_order,)}
+
+def _define(schema: str, kernel: Callable, fake: Callable, tags: tuple = ()) -> torch._ops.OpOverload:
+    """Define `dpcs::<schema>` with `kernel` for every device and `fake` for fake tensors; its overload."""
+    name = schema.split("(", 1)[0]
+    _LIB.define(schema, tags=tags)
+    _LIB.impl(name, kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"dpcs::{name}", fake, lib=_LIB)
+    return getattr(torch.ops.dpcs, name).default
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -94,8 +100,7 @@ def _host_like(x: torch.Tensor, pin: bool) -> torch.Tensor:
     return torch.empty_like(x, device="cpu", pin_memory=pin)
 
 
-@custom_op("dpcs::offload", mutates_args=(), **_op_tags())
-def offload(x: torch.Tensor) -> torch.Tensor:
+def _offload(x: torch.Tensor) -> torch.Tensor:
     """Copy x to host memory: on CUDA into pinned memory, asynchronously on the side stream."""
     if x.device.type != "cuda":
         host = _host_like(x, pin=False)
@@ -120,13 +125,14 @@ def copy_to_host_async(x: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]
     return host, copied
 
 
-@offload.register_fake
 def _offload_fake(x: torch.Tensor) -> torch.Tensor:
     return _host_like(x, pin=False)
 
 
-@custom_op("dpcs::wait_offload", mutates_args=("source",), **_op_tags())
-def wait_offload(host: torch.Tensor, source: torch.Tensor) -> None:
+offload = _define("offload(Tensor x) -> Tensor", _offload, _offload_fake, _FIXED_STRIDES)
+
+
+def _wait_offload(host: torch.Tensor, source: torch.Tensor) -> None:
     """Make the compute stream wait for the D2H copy of `source` into `host`; after it, `source` may be reused."""
     if source.device.type != "cuda":
         return
@@ -139,13 +145,15 @@ def wait_offload(host: torch.Tensor, source: torch.Tensor) -> None:
     torch.cuda.current_stream(source.device).wait_event(copied)
 
 
-@wait_offload.register_fake
 def _wait_offload_fake(host: torch.Tensor, source: torch.Tensor) -> None:
     return None
 
 
-@custom_op("dpcs::reload", mutates_args=(), **_op_tags())
-def reload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+wait_offload = _define("wait_offload(Tensor host, Tensor(a!) source) -> ()", _wait_offload, _wait_offload_fake,
+                       _FIXED_STRIDES)
+
+
+def _reload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Copy a host tensor to `device`: on CUDA asynchronously on the side stream (pair with wait_tensor)."""
     device = torch.device(device)
     if device.type != "cuda":
@@ -167,13 +175,14 @@ def reload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return out
 
 
-@reload.register_fake
 def _reload_fake(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.empty_like(host, device=device)
 
 
-@custom_op("dpcs::wait_tensor", mutates_args=("tensor",))
-def wait_tensor(tensor: torch.Tensor) -> None:
+reload = _define("reload(Tensor host, Device device) -> Tensor", _reload, _reload_fake, _FIXED_STRIDES)
+
+
+def _wait_tensor(tensor: torch.Tensor) -> None:
     """Make the compute stream wait until the reload into `tensor` is done; call it before the first use."""
     if tensor.device.type != "cuda":
         return
@@ -186,17 +195,14 @@ def wait_tensor(tensor: torch.Tensor) -> None:
     torch.cuda.current_stream(tensor.device).wait_event(copied)
 
 
-@wait_tensor.register_fake
 def _wait_tensor_fake(tensor: torch.Tensor) -> None:
     return None
 
 
-OFFLOAD_OPS = (
-    torch.ops.dpcs.offload.default,
-    torch.ops.dpcs.wait_offload.default,
-    torch.ops.dpcs.reload.default,
-    torch.ops.dpcs.wait_tensor.default,
-)
+wait_tensor = _define("wait_tensor(Tensor(a!) tensor) -> ()", _wait_tensor, _wait_tensor_fake)
+
+
+OFFLOAD_OPS = (offload, wait_offload, reload, wait_tensor)
 
 
 def pending_events() -> int:

@@ -233,6 +233,17 @@ def test_the_ops_host_time_is_timed_as_a_step_issues_them():
     assert pending_events() == 0
 
 
+@pytest.mark.parametrize("op", offload_ops.OFFLOAD_OPS, ids=lambda op: op.__name__)
+def test_the_ops_have_one_kernel_and_no_python_autograd_layer(op):
+    """A step calls these ops in line with its kernels, four per offloaded value: each is defined with one kernel
+    for every device and a fake impl, not as a `custom_op`, whose Python autograd layer runs on every call (and
+    made a value's four ops cost about 3x the host time on CPU)."""
+    name = op.name()
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeExplicitAutograd")
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key(name, "Autograd")
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key(name, "AutogradCPU")
+
+
 @needs_cuda
 def test_cuda_the_profile_times_the_offload_ops_on_the_host():
     """What `measure_hardware_profile` puts in `offload_ops_s` on CUDA: the host time of one value's four ops,
