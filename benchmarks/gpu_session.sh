@@ -5,7 +5,7 @@
 #   OUT=/tmp/gpu bash benchmarks/gpu_session.sh [SECONDS] [STEPS...]
 #
 # SECONDS (default 400) is the deadline for the whole script; every step is cut at it. STEPS picks what runs
-# (default: all, in this order): env tests peak train cadence bench_gpt bench_llama precision stall. Each step's
+# (default: all, in this order): env tests peak train cadence anatomy bench_gpt bench_llama precision stall. Each step's
 # own limit can be set as LIMIT_<name> (e.g. LIMIT_bench_gpt=240).
 # The package is installed from this checkout (editable, no dependencies, no index: the machine has no
 # network), because torch finds the "dpcs" backend by the package's entry point. Everything lands in
@@ -13,7 +13,7 @@
 set -u
 DEADLINE=$(( $(date +%s) + ${1:-400} ))
 shift || true
-STEPS=${*:-env tests peak train cadence bench_gpt bench_llama precision stall}
+STEPS=${*:-env tests peak train cadence anatomy bench_gpt bench_llama precision stall}
 EXTRA=${EXTRA:-}  # more commands to run with the first, parallel group (diagnostics): "name:command"
 OUT=${OUT:-/tmp/gpu_session}
 W=$(mktemp -d)
@@ -69,7 +69,10 @@ if [[ -n "$EXTRA" ]]; then
 fi
 (( ${#pids[@]} )) && wait "${pids[@]}"
 
-# Timed work, one at a time on the GPU.
+# Timed work, one at a time on the GPU. First where a planned step's time goes (compile against dpcs with and
+# without offload at one budget, under the profiler).
+wants anatomy && step step_anatomy 150 "${G[@]}" $PY benchmarks/step_anatomy.py --device cuda --model gpt --steps 10 \
+    --warmup 2 --out "$W/results"
 wants bench_gpt && step bench_gpt 240 "${G[@]}" $PY benchmarks/bench.py --device cuda --models gpt --steps 10 --warmup 2 \
     --out "$W/results/bench_gpt"
 wants bench_llama && step bench_llama 240 "${G[@]}" $PY benchmarks/bench.py --device cuda --models llama --steps 10 \
