@@ -36,12 +36,15 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence, Set
 import numpy as np
 
 from dpcs_compiler.cost.budget import RUNTIME_ALLOWANCE_BYTES
-from dpcs_compiler.cost.memory_model import OFFLOAD, RECOMPUTE, SAVE, MemoryProblem, plan_memory
+from dpcs_compiler.cost.memory_model import OFFLOAD, RECOMPUTE, SAVE, MemoryProblem, plan_memory, plan_seconds
 
 LEVEL_GRID = 8  # the shared level is tried at 0, 1/8, ..., 1
 TARGET_PROBES = 8  # bisection steps on the target for the smallest step peak, when no plan fits
 LOWEST_GRID = 4  # and the coarser grid of levels tried at each
 LEVEL_PROBES = 6  # then bisected between the highest feasible grid level and the next (1/512 of each range)
+# Plans that stand are replaced, where the step frees what they count alive, by one that adds at least this share
+# less time (each graph compiled again for it: not for a tie in the model's figures).
+CHEAPER = 0.01
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,6 +272,8 @@ class GraphStep:
     # backward (`held`): on the bench's graph-break net, a 2 MiB input of the middle graph, which its first
     # plans kept alive by recomputing `neg` from it, was counted as other calls' memory for every later plan.
     freeable: tuple[tuple[int, tuple[str, ...]], ...] = ()
+    # Its plan as compiled is torch's own partition (kept: it fit), not one dpcs solved.
+    torch_kept: bool = False
 
     def gradients_at(self, step: int) -> int:
         """Bytes of its parameter gradients made by `step` of its problem (they stay to the step's end)."""
@@ -596,15 +601,16 @@ def plan_step(
     alone = all(len(s.instances) == 1 and s.outside_bytes == 0 and s.turn_bytes == 0 and not s.optimizer_bytes
                 for s in shapes) and len(graphs) == 1
     if peak.bytes <= target and settled or alone:
-        return StepPlan(dict.fromkeys(graphs), dict(current), levels, peak, peak.bytes <= target, None, 0, alone)
-    if torch_limit is not None:
-        offered = _torch_offer(shapes, graphs, torch_limit)
-        if offered is not None:
-            return offered
-    search = _LevelSearch(shapes, graphs, solver)
-    found = search.at(target)
+        unchanged = StepPlan(dict.fromkeys(graphs), dict(current), levels, peak, peak.bytes <= target, None, 0, alone)
+        if not any(freed > 0 for shape in shapes for freed in shape.call_backward_freed):
+            return unchanged
+        # The step frees some of a graph's own outputs (or inputs) before its backward (a model's logits, when
+        # the loop keeps only the loss), which that graph's own plan counts alive through it: with them
+        # counted freed a cheaper plan may fit, or one may fit where none did.
+        return _cheaper_where_freed(unchanged, shapes, graphs, solver, final, target, torch_limit)
+    found, search = _offer_or_search(shapes, graphs, solver, final, target, torch_limit)
     if found is not None:
-        return _as_compiled(dataclasses.replace(found, solves=search.solves), shapes, graphs, final, target)
+        return found
     if not find_lowest:  # only whether it fits (`find_lowest` False): the bisection below is the costly part
         return StepPlan(dict.fromkeys(graphs), dict(current), levels, peak, False, None, search.solves)
     # No plan fits: the smallest step peak reachable, by bisection on the target between the budget and the
@@ -629,6 +635,43 @@ def plan_step(
     lowest = _as_compiled(dataclasses.replace(lowest, contexts=contexts, solves=search.solves), shapes, graphs, final,
                           found_at)
     return dataclasses.replace(lowest, feasible=False)
+
+
+def _offer_or_search(shapes: Sequence[StepShape], graphs: Mapping[str, GraphStep], solver: Solver,
+                     final: Solver | None, target: int, torch_limit: int | None) -> tuple[StepPlan | None, _LevelSearch | None]:
+    """Torch's partitions where they fit within `torch_limit` (with no search: None), else the level search's
+    plan at `target` as each graph's compile will re-make it (None: no level fits), and the search."""
+    if torch_limit is not None:
+        offered = _torch_offer(shapes, graphs, torch_limit)
+        if offered is not None:
+            return offered, None
+    search = _LevelSearch(shapes, graphs, solver)
+    found = search.at(target)
+    if found is not None:
+        found = _as_compiled(dataclasses.replace(found, solves=search.solves), shapes, graphs, final, target)
+    return found, search
+
+
+def _cheaper_where_freed(unchanged: StepPlan, shapes: Sequence[StepShape], graphs: Mapping[str, GraphStep],
+                         solver: Solver, final: Solver | None, target: int, torch_limit: int | None) -> StepPlan:
+    """`plan_step` where the graphs' own plans stand (`unchanged`: they fit, or one graph is the whole step) but
+    the step frees some of a graph's own inputs or outputs before its backward, which its own plan counts
+    alive. Torch's own partitions are kept where they were compiled, and offered where they now fit (within
+    `torch_limit`); otherwise the level search's plan at `target` is taken if it fits and adds less time than
+    the plans as compiled (or fits where they do not). Else `unchanged`."""
+    if all(g.torch_kept for g in graphs.values()):
+        return unchanged  # no cost at no pressure: nothing is cheaper than torch's own plan there
+    found, search = _offer_or_search(shapes, graphs, solver, final, target, torch_limit)
+    if search is None:
+        return found  # torch's partitions fit
+
+    def seconds(decisions: Mapping[str, tuple[str, ...]]) -> float:
+        return sum(plan_seconds(graphs[k].problem, decisions[k]) for k in graphs)
+
+    if found is not None and found.feasible and (
+            not unchanged.feasible or seconds(found.decisions) < (1 - CHEAPER) * seconds(unchanged.decisions)):
+        return found
+    return dataclasses.replace(unchanged, solves=search.solves)
 
 
 def _torch_offer(shapes: Sequence[StepShape], graphs: Mapping[str, GraphStep], torch_limit: int) -> StepPlan | None:

@@ -232,6 +232,7 @@ class StepRecorder:
         self.torch_planned = False
         self.torch_refused = False
         self.torch_budget: int | None = None  # the budget a step plan offering them holds (None: not offered)
+        self.fitted_budget: int | None = None  # the budget the step plan measured next fits (None: none fits)
         self.measuring = False  # this step is measured (every rank alike; `meter` None where it cannot be)
         self.due: tuple[_Meter | None, tuple | None] | None = None  # a measured step waiting to be read
         self.outside_measured: dict[tuple, int] = {}
@@ -658,6 +659,8 @@ class StepRecorder:
         assert self.predicted is not None
         predicted_graphs, predicted_turn, predicted_end = self.predicted
         tolerance = max(CORRECTION_MIN_BYTES, int(CORRECTION_MIN_FRACTION * max(self.predicted)))
+        if self.fitted_budget is not None and max(measured[0], measured[1]) > self.fitted_budget:
+            tolerance = 0  # a plan that fit its budget measured over it: any excess counts, however small
         outside = max(0, measured[0] - predicted_graphs)
         outside = outside if outside > tolerance else 0
         turn = max(0, measured[1] - predicted_turn - outside)  # the turn's prediction counts `outside` too
@@ -854,6 +857,7 @@ class StepRecorder:
                 self.predicted_state_bytes = 0
                 # Re-predicted from its compiled variant, not planned again (a plan of one graph is its own).
                 self.as_planned = _AsPlanned(shapes, {only.name: weakref.ref(only)}, None)
+                self.fitted_budget = None
             return None
         add_step_record(record)
         chosen = record.optimizer_state or {}
@@ -886,6 +890,7 @@ class StepRecorder:
         # Whether the graphs run in contexts offered torch's partitions: this plan's, or kept from an earlier one.
         self.torch_planned = any(d.step_context is not None and d.step_context.torch_plan for d in dispatchers.values())
         self.torch_budget = record.budget_bytes if self.torch_planned and record.feasible else None
+        self.fitted_budget = record.budget_bytes if record.feasible else None
         # Measure the step after the next one (the next compiles the new variants) against the prediction.
         self.verify_in, self.predicted = 1, (record.graphs_peak_bytes, record.turn_peak_bytes, record.end_bytes)
         self.predicted_peak = record.predicted_peak_bytes

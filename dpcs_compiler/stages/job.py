@@ -42,6 +42,9 @@ from dpcs_compiler.passes.infra import (
 from dpcs_compiler.plan import Plan
 from dpcs_compiler.report import CompileRecord, add_record
 
+# The record's solver where a graph keeps torch's own partition (it fits the budget).
+TORCH_SOLVER = "torch min-cut"
+
 log = logging.getLogger("dpcs.pipeline")
 
 _graph_ids = itertools.count()
@@ -440,6 +443,7 @@ class GraphJob:
             gradient_steps=sharing.gradient_steps,
             torch_partition=torch_partition,
             freeable=tuple((f.nbytes, f.readers) for f in sharing.freeable if f.readers),
+            torch_kept=self.record.solver == TORCH_SOLVER,
         )
         return graph, decisions
 

@@ -36,6 +36,7 @@ from dpcs_compiler.solve import fits, solve_or_measure
 from dpcs_compiler.solve.solution import Solution, measured_solution
 from dpcs_compiler.stages.calibrate import graph_calibration
 from dpcs_compiler.stages.job import (
+    TORCH_SOLVER,
     BudgetInfeasibleError,
     GraphJob,
     StepView,
@@ -100,7 +101,6 @@ def within_reach(peak_bytes: int, target_bytes: int) -> bool:
     return target_bytes > 0 and peak_bytes <= target_bytes * (1 + PROVISIONAL_FRACTION)
 
 
-TORCH_SOLVER = "torch min-cut"
 # Under Inductor, torch's partition is tried when its modelled peak (FX order) is within this fraction over
 # the budget: Inductor's own order often holds less (measured: 1.8% less on the bench GPT). Its schedule,
 # read before code is generated, decides (`GraphJob.hold_to_budget`); if it is over, dpcs plans instead.

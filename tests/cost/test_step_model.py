@@ -416,6 +416,31 @@ def test_a_step_of_one_call_is_its_graphs_own_plan_even_over_the_budget():
     assert plan.level is None and not plan.feasible and plan.solves == 0 and plan.contexts == {"A": None}
 
 
+def test_plans_that_stand_are_planned_again_where_the_step_frees_what_they_count_alive():
+    """A graph's own plan counts its outputs alive through its backward; where the step freed 30 B of them before
+    it, the step is planned again and saves everything (no recomputation) within the same target. Not where
+    nothing was freed, and not where the graph keeps torch's own partition (no cost at no pressure)."""
+    # A gradient's temporary makes the peak at backward step 6: 130 B + a (50 B) + b (30 B).
+    p = MemoryProblem(base_bytes=np.array([100] * 5 + [100, 130, 110, 100, 100]), step_seconds=np.ones(10),
+                      backward_start=5, candidates=(Candidate("a", 50, 0, 1, 8, 9, recompute_seconds=1.0),
+                                                    Candidate("b", 30, 1, 2, 6, 7, recompute_seconds=2.0)))
+    own, ok = solver(p, 190)
+    assert ok and own == (RECOMPUTE, SAVE)
+    freed = StepShape(("A",), 0, call_backward_freed=(30,))
+    plan = plan_step([freed], {"A": graph("A", p, target=190)}, {"A": own}, solver)
+    assert plan.feasible and plan.level is not None and not plan.alone
+    assert plan.decisions == {"A": (SAVE, SAVE)} and plan.peak.bytes <= 190
+    assert plan.contexts["A"].backward_freed == 30
+    nothing = plan_step([StepShape(("A",), 0)], {"A": graph("A", p, target=190)}, {"A": own}, solver)
+    assert nothing.alone and nothing.level is None and nothing.solves == 0
+    kept = plan_step([freed], {"A": dataclasses.replace(graph("A", p, target=190), torch_kept=True)}, {"A": own},
+                     solver)
+    assert kept.alone and kept.level is None and kept.decisions == {"A": own}
+    # Not cheaper (the same plan in its context): the plans stand.
+    same = plan_step([freed], {"A": graph("A", p, target=190)}, {"A": (SAVE, SAVE)}, solver)
+    assert same.level is None and same.decisions == {"A": (SAVE, SAVE)}
+
+
 def test_what_the_step_frees_before_a_backward_comes_off_its_backward_steps_and_keeps_its_readers_saved():
     p = problem()
     freed = in_step(p, StepContext(forward_bytes=7, backward_bytes=11, backward_freed=20), 1000)

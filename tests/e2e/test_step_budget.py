@@ -555,6 +555,76 @@ def test_logits_freed_between_two_graphs_are_not_counted_in_their_backwards():
     torch.testing.assert_close(got, {n: p.grad for n, p in model.named_parameters()}, atol=1e-5, rtol=1e-4)
 
 
+class LossAndLogits(LossAfterBreak):
+    """One graph that returns its loss and its logits, as a Hugging Face causal LM called with labels does
+    (`model(**batch).loss.backward()` keeps the loss only)."""
+
+    def forward(self, x, y):
+        logits = self.head(self.body(x))
+        return torch.nn.functional.cross_entropy(logits, y), logits
+
+
+@pytest.mark.parametrize("keep_logits", [False, True])
+def test_logits_a_single_graph_returns_and_the_loop_drops_are_not_counted_in_its_backward(keep_logits):
+    """The graph's own plan counts its logits output alive through its backward (its caller may keep it), so
+    at a budget it fits a plan that recomputes more than the step needs. A step of that one graph that frees
+    the logits before its backward is planned again with them freed: it recomputes less, measures within the
+    budget and within 1% of its prediction, and its gradients are eager's. A loop that keeps the logits
+    through the backward keeps the graph's own plan."""
+    torch.manual_seed(0)
+    model = LossAndLogits()
+    x, y = torch.randn(512, 128), torch.randint(0, 2048, (512,))
+    logits_bytes = 512 * 2048 * 4
+    baseline = resident_bytes([*model.parameters(), x, y])
+
+    def steps(n, **options):
+        torch._dynamo.reset()
+        clear_compile_records()
+        compiled = dpcs_compile(model, **options)
+
+        def step():
+            loss, logits = compiled(x, y)
+            if not keep_logits:
+                del logits
+            loss.backward()
+
+        def measured():  # the last step's gradients freed before, not inside, the step measured
+            model.zero_grad(set_to_none=True)
+            return measure_peak_memory(step)[1].absolute(baseline)
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return [measured() for _ in range(n)], compiled
+
+    (unplanned,), _ = steps(1)
+    steps(1, memory_budget=1, on_infeasible="best")
+    lowest = min(r.predicted_peak_bytes for r in compile_records() if r.mode == "training")
+    budget = int(lowest + 0.5 * (unplanned - lowest))
+    peaks, compiled = steps(6, memory_budget=budget)
+    training = [r for r in compile_records() if r.mode == "training"]
+    own, last = training[0], training[-1]
+    print(f"budget {budget} B (lowest {lowest}, unplanned {unplanned}): peaks {peaks}; own plan {own.recomputed_values} recomputed, predicted "
+          f"{own.predicted_peak_bytes} B; last {last.graph} {last.recomputed_values} recomputed")
+    assert max(peaks[1:]) <= budget
+    if keep_logits:
+        assert step_records() == [] and len(training) == 1
+        assert peaks[-1] <= own.predicted_peak_bytes <= 1.01 * peaks[-1]
+    else:
+        (record,) = step_records()
+        assert record.feasible and record.replanned and record.calls == [own.graph]
+        assert record.contexts[own.graph]["backward_freed"] >= logits_bytes
+        assert last.variant_of == own.graph and last.recomputed_values < own.recomputed_values
+        assert peaks[-1] <= record.predicted_peak_bytes <= 1.01 * peaks[-1]
+        # The first step ran the graph's own plan: its model counted the logits alive through the backward.
+        assert own.predicted_peak_bytes - peaks[0] >= logits_bytes // 2
+    model.zero_grad(set_to_none=True)
+    compiled(x, y)[0].backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    model(x, y)[0].backward()
+    torch.testing.assert_close(got, {n: p.grad for n, p in model.named_parameters()}, atol=1e-5, rtol=1e-4)
+
+
 class _Block(torch.nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()

@@ -84,6 +84,24 @@ def test_a_measured_excess_is_counted_as_outside_memory_and_planned_again_at_mos
     STEPS.reset()
 
 
+def test_an_excess_within_the_tolerance_is_counted_where_it_puts_a_fitting_plan_over_its_budget():
+    """A plan made to fit a budget that measures over it, by less than the tolerance (15 KB on a 2.5 MB step of
+    Hugging Face BART under Inductor, the plan's model 0.5% under), is planned again with the excess counted."""
+    STEPS.reset()
+    key = (("a",), ((),))
+    shape = StepShape(instances=("a",), parameter_bytes=100)
+    STEPS.predicted = (10_000_000, 8_000_000, 6_000_000)
+    STEPS.predicted_peak = 10_000_000
+    STEPS.fitted_budget = 10_010_000
+    STEPS._correct(key, shape, (10_009_000, 8_000_000, None), [])  # within the tolerance and the budget
+    assert not STEPS.to_plan and key not in STEPS.outside_measured
+    STEPS._correct(key, shape, (10_015_000, 8_000_000, None), [])  # within the tolerance, over the budget
+    assert STEPS.to_plan and STEPS.outside_measured[key] == 15_000
+    assert STEPS.shapes[key][0].outside_bytes == 15_000
+    STEPS.reset()
+    assert STEPS.fitted_budget is None
+
+
 def test_a_measured_excess_at_the_steps_turn_is_counted_there_only():
     """What eager code allocates between the last forward and the first backward (a loss) is counted at the
     turn; outside memory counted throughout is not counted at the turn again."""
