@@ -329,3 +329,13 @@ def run_rank_processes(commands: list[list[str]], envs: list[dict[str, str]]) ->
     if hung:
         pytest.fail(f"a rank did not finish within {RANK_TIMEOUT_S} s (hung in a collective?):\n\n" + "\n\n".join(reports))
     assert not reports, "\n\n".join(reports)
+
+
+def load_benchmark(name: str):
+    """The module of `benchmarks/<name>.py`, loaded as a script is (the folder is not a package)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

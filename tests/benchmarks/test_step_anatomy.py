@@ -2,28 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "step_anatomy.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("step_anatomy_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from dpcs_testing import load_benchmark
 
 
 def test_a_gpu_profiled_plan_offloads_and_its_ops_are_counted_per_step(tmp_path):
     """Planned with the built-in H100 profile from this CPU, the tiny GPT's `dpcs` point offloads and its four ops a value
     show up once each per step; without the host link the same budget is met by recomputation alone."""
-    module = _module()
+    module = load_benchmark("step_anatomy")
     assert module.main(["--quick", "--compiler", "eager", "--steps", "2", "--warmup", "1", "--profile-steps", "2",
                         "--budget-fractions", "0.75", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "step_anatomy_cpu_quick.json").read_text())
@@ -44,4 +33,4 @@ def test_a_gpu_profiled_plan_offloads_and_its_ops_are_counted_per_step(tmp_path)
 
 def test_a_profile_without_a_host_link_is_refused(tmp_path):
     with pytest.raises(SystemExit):
-        _module().main(["--quick", "--compiler", "eager", "--profile", "reference-cpu", "--out", str(tmp_path)])
+        load_benchmark("step_anatomy").main(["--quick", "--compiler", "eager", "--profile", "reference-cpu", "--out", str(tmp_path)])

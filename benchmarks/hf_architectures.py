@@ -1,0 +1,170 @@
+"""dpcs on Hugging Face architectures nobody in the project tuned for: gradients against eager, and the budget.
+
+    python benchmarks/hf_architectures.py [--models bert,mistral,...] [--compiler eager] [--fraction 0.75]
+                                          [--steps 6] [--out benchmarks/results]
+
+Each model is tiny (2 layers, d 64, batch 2 x 64 tokens, vocab 256; ViT: 32 x 32 images), random weights, in
+eval mode (no dropout: gradients compare exactly), and is called as users call it:
+`model(input_ids=..., labels=...).loss.backward()` (the model returns its logits too; the loop keeps the loss).
+Per model: the unbudgeted dpcs step's measured peak, then dpcs at `--fraction` of it (on_infeasible="best")
+after `--steps` steps, measured with the CPU profiler (which keeps dpcs's own check of the planned step from
+running: `runtime/step.py::_Meter`), its gradients against eager's, its step plan's prediction, and whether the
+budget held. Writes hf_architectures_<compiler>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from dpcs_compiler.measure import measure_peak_memory, resident_bytes  # noqa: E402
+from dpcs_compiler.report import clear_compile_records, compile_records, step_records  # noqa: E402
+
+BATCH, SEQ, VOCAB = 2, 64, 256
+
+
+def _ids(seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def architectures() -> dict[str, Callable[[], tuple[torch.nn.Module, dict[str, torch.Tensor]]]]:
+    import transformers as T
+
+    small = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                 max_position_embeddings=128)
+
+    def lm(model: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+        return model, dict(input_ids=_ids(1), labels=_ids(2))
+
+    return {
+        "bert": lambda: lm(T.BertForMaskedLM(T.BertConfig(**small))),
+        "roberta": lambda: lm(T.RobertaForMaskedLM(T.RobertaConfig(**{**small, "max_position_embeddings": 130}))),
+        "distilbert": lambda: lm(T.DistilBertForMaskedLM(T.DistilBertConfig(
+            vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, hidden_dim=128, max_position_embeddings=128))),
+        "opt": lambda: lm(T.OPTForCausalLM(T.OPTConfig(
+            vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128,
+            max_position_embeddings=128, word_embed_proj_dim=64))),
+        "gpt_neox": lambda: lm(T.GPTNeoXForCausalLM(T.GPTNeoXConfig(**small))),
+        "mistral": lambda: lm(T.MistralForCausalLM(T.MistralConfig(**small, num_key_value_heads=2))),
+        "qwen2": lambda: lm(T.Qwen2ForCausalLM(T.Qwen2Config(**small, num_key_value_heads=2))),
+        "phi": lambda: lm(T.PhiForCausalLM(T.PhiConfig(**small))),
+        "gemma": lambda: lm(T.GemmaForCausalLM(T.GemmaConfig(**small, num_key_value_heads=2, head_dim=16))),
+        "bloom": lambda: lm(T.BloomForCausalLM(T.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4))),
+        "t5": lambda: lm(T.T5ForConditionalGeneration(T.T5Config(
+            vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, decoder_start_token_id=0,
+            pad_token_id=0))),
+        "bart": lambda: lm(T.BartForConditionalGeneration(T.BartConfig(
+            vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=128))),
+        "vit": lambda: (T.ViTForImageClassification(T.ViTConfig(
+            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, image_size=32,
+            patch_size=8, num_labels=10)),
+            dict(pixel_values=torch.randn(BATCH, 3, 32, 32, generator=torch.Generator().manual_seed(1)),
+                 labels=torch.tensor([1, 2]))),
+    }
+
+
+def one(name: str, build: Callable, compiler: str, fraction: float, steps: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model, inputs = build()
+    model.eval()
+    resident = resident_bytes([*model.parameters()])
+
+    def step(m: torch.nn.Module, fn: Callable) -> torch.Tensor:
+        loss = fn(**inputs).loss
+        loss.backward()
+        return loss
+
+    def measured(m: torch.nn.Module, fn: Callable) -> tuple[torch.Tensor, int]:
+        m.zero_grad(set_to_none=True)  # the last step's gradients freed before, not inside, the step measured
+        loss, peak = measure_peak_memory(lambda: step(m, fn))
+        return loss, resident + peak.peak_increase_bytes
+
+    reference = copy.deepcopy(model)
+    eager_loss, _ = measured(reference, reference)
+    grads = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+
+    def compiled(options: dict[str, Any]) -> tuple[torch.nn.Module, Callable]:
+        torch._dynamo.reset()
+        clear_compile_records()
+        m = copy.deepcopy(model)
+        return m, torch.compile(m, backend="dpcs", options={"compiler": compiler, "strict": True, **options})
+
+    m0, f0 = compiled({})
+    for _ in range(2):
+        measured(m0, f0)
+    _, unbudgeted = measured(m0, f0)
+    budget = int(fraction * unbudgeted)
+    m1, f1 = compiled({"memory_budget": budget, "on_infeasible": "best"})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            measured(m1, f1)
+        loss, peak = measured(m1, f1)
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-4, atol=1e-5)
+    for n, p in m1.named_parameters():
+        if n in grads:
+            torch.testing.assert_close(p.grad, grads[n], rtol=1e-3, atol=1e-5)
+    records = [r for r in compile_records() if r.mode == "training"]
+    planned = step_records()
+    return {
+        "unbudgeted_bytes": unbudgeted, "budget_bytes": budget, "measured_bytes": peak, "held": peak <= budget,
+        "predicted_bytes": planned[-1].predicted_peak_bytes if planned else records[-1].predicted_peak_bytes,
+        "feasible": planned[-1].feasible if planned else records[-1].plan_feasible,
+        "step_planned": bool(planned), "graphs": len({r.variant_of or r.graph for r in records}),
+        "recomputed": [r.recomputed_values for r in records], "gradients_match_eager": True,
+        "infeasible_warning": any("cannot be met" in str(w.message) for w in caught),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    choices = architectures()
+    parser.add_argument("--models", default=",".join(choices), help=f"comma-separated, of: {', '.join(choices)}")
+    parser.add_argument("--compiler", default="eager", choices=("eager", "inductor"))
+    parser.add_argument("--fraction", type=float, default=0.75, help="budget, of the unbudgeted measured peak")
+    parser.add_argument("--steps", type=int, default=6, help="steps before the measured one")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    args = parser.parse_args(argv)
+    names = [n for n in args.models.split(",") if n]
+    unknown = [n for n in names if n not in choices]
+    if unknown or not names:
+        parser.error(f"--models {args.models!r} is not valid; valid choices: {', '.join(choices)}")
+    if not 0 < args.fraction <= 1:
+        parser.error(f"--fraction {args.fraction} is not valid; valid choices: a float in (0, 1]")
+    results: dict[str, Any] = {}
+    for name in names:
+        try:
+            results[name] = one(name, choices[name], args.compiler, args.fraction, args.steps)
+        except Exception as error:  # noqa: BLE001 - a failing model is a result
+            results[name] = {"error": f"{type(error).__name__}: {str(error)[:800]}"}
+        r = results[name]
+        print(name, "ERROR " + r["error"] if "error" in r else
+              f"budget {r['budget_bytes']} B: measured {r['measured_bytes']} B (held {r['held']}), predicted "
+              f"{r['predicted_bytes']} B, feasible {r['feasible']}, recomputed {r['recomputed']}", flush=True)
+    import transformers
+
+    payload = {"device": f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
+               "torch": torch.__version__, "transformers": transformers.__version__, "compiler": args.compiler,
+               "fraction": args.fraction, "steps": args.steps, "models": results}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"hf_architectures_{args.compiler}.json"
+    path.write_text(json.dumps(payload, indent=1) + "\n")
+    print(f"wrote {path}")
+    return 1 if any("error" in r for r in results.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""The Hugging Face architecture sweep runs end to end on one model and writes its JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dpcs_testing import load_benchmark
+
+pytest.importorskip("transformers")
+
+
+def test_bert_called_with_labels_holds_the_budget_and_is_planned_with_its_logits_freed(tmp_path, monkeypatch):
+    """BERT returns its logits with the loss and the loop keeps the loss: the step is planned again with them
+    freed, recomputing less than the graph's own plan, within the budget and with eager's gradients. Planned
+    with the pinned reference CPU profile (the same decisions on every CPU)."""
+    monkeypatch.setenv("DPCS_HARDWARE_PROFILE", "reference-cpu")
+    assert load_benchmark("hf_architectures").main(["--models", "bert", "--steps", "4", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "hf_architectures_eager.json").read_text())
+    assert result["torch"] and result["transformers"]
+    bert = result["models"]["bert"]
+    assert bert["held"] and bert["feasible"] and bert["step_planned"] and bert["gradients_match_eager"]
+    own, *_, last = bert["recomputed"]
+    assert last < own
+    assert bert["measured_bytes"] <= bert["predicted_bytes"] <= 1.01 * bert["measured_bytes"]
+
+
+def test_an_unknown_model_is_refused_with_the_choices(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        load_benchmark("hf_architectures").main(["--models", "gpt5", "--out", str(tmp_path)])
+    assert "valid choices: bert" in capsys.readouterr().err
