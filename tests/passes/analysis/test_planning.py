@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from training_graphs import trace_module_training, trace_training
-from dpcs_compiler.cost.memory_model import SAVE, plan_memory
+from dpcs_compiler.cost.memory_model import RECOMPUTE, SAVE, plan_memory
 from dpcs_compiler.models import workload
 from dpcs_compiler.passes.analysis import memory_timeline
 from dpcs_compiler.passes.analysis.planning import RUNTIME_ALLOWANCE_BYTES, planning_graph, planning_schedule, step_sharing
 from dpcs_compiler.passes.infra import AnalysisCache
+from dpcs_compiler.passes.rewrite.partition import partition_by_plan, saved_names
 
 ROWS, D = 512, 256
 F32 = ROWS * D * 4
@@ -180,3 +181,38 @@ def test_the_inputs_and_outputs_a_backward_does_not_read_are_freeable_with_the_r
                if any(a.name == "primals_1" for n in c.recompute_nodes for a in n.all_input_nodes)}
     assert reading and set(freeable.readers) == reading
     assert sharing.shared_bytes == F32 + 4  # what the step's other graphs do not count as this one's holdings
+
+
+def cache_step(x, w0, w1):
+    """k is returned (a key cache, as attention layers return one) and read on: its square feeds a matmul."""
+    k = torch.tanh(x @ w0)
+    u = k * k
+    return (u @ w1).sum(), k
+
+
+def cache_view_step(x, w0, w1):
+    k = torch.tanh(x @ w0)
+    u = k * k
+    return (u @ w1).sum(), k.t()
+
+
+@pytest.mark.parametrize("step", [cache_step, cache_view_step])
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_a_remake_reads_the_graphs_outputs_where_the_forward_made_them(step, compiler):
+    """u (read by the matmul's backward) is made again from k, which the graph returns: the remake reads the
+    output, which the model counts alive to the step's end, and does not re-run the matmul and tanh behind it.
+    Re-running them left the forward's k unread by the backward, freed where the caller drops it, which no plan
+    counts. The partition by a plan that recomputes u saves k (the output itself), re-runs only the mul."""
+    x = torch.randn(ROWS, D)
+    weights = [torch.randn(D, D, requires_grad=True) for _ in range(2)]
+    graphs = trace_training(step, x, *weights)
+    planning, _ = planning_of(graphs, compiler, parameter_indices=(1, 2))
+    rows = {c.holder.name: [n.name for n in c.recompute_nodes] for c in planning.candidates}
+    assert rows == {"mul": ["mul"]}
+    sharing = step_sharing(planning, graphs.num_fwd_outputs)
+    assert sharing.held_outputs == (1,)  # the backward reads k, the output, in every plan
+    forward, backward = partition_by_plan(graphs.joint, None, planning, [RECOMPUTE], num_fwd_outputs=graphs.num_fwd_outputs)
+    targets = [n.target for n in backward.graph.nodes if n.op == "call_function"]
+    # the backward's three matmuls (x needs no gradient), none re-run; no tanh made again
+    assert targets.count(torch.ops.aten.mm.default) == 3 and torch.ops.aten.tanh.default not in targets
+    assert "tanh" in saved_names(forward, graphs.num_fwd_outputs)
