@@ -76,7 +76,7 @@ def architectures() -> dict[str, Callable[[], tuple[torch.nn.Module, dict[str, t
     }
 
 
-def one(name: str, build: Callable, compiler: str, fraction: float, steps: int) -> dict[str, Any]:
+def one(build: Callable, compiler: str, fraction: float, steps: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model, inputs = build()
     model.eval()
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     for name in names:
         try:
-            results[name] = one(name, choices[name], args.compiler, args.fraction, args.steps)
+            results[name] = one(choices[name], args.compiler, args.fraction, args.steps)
         except Exception as error:  # noqa: BLE001 - a failing model is a result
             results[name] = {"error": f"{type(error).__name__}: {str(error)[:800]}"}
         r = results[name]
