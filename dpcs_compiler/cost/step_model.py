@@ -39,8 +39,9 @@ from dpcs_compiler.cost.budget import RUNTIME_ALLOWANCE_BYTES
 from dpcs_compiler.cost.memory_model import OFFLOAD, RECOMPUTE, SAVE, MemoryProblem, plan_memory, plan_seconds
 
 LEVEL_GRID = 8  # the shared level is tried at 0, 1/8, ..., 1
-TARGET_PROBES = 8  # bisection steps on the target for the smallest step peak, when no plan fits
-LOWEST_GRID = 4  # and the coarser grid of levels tried at each
+# bisection steps on the target for the smallest step peak, when no plan fits, each trying the levels on LEVEL_GRID:
+# a coarser grid missed the band of levels where the lowest plans lie (they hold more than least between phases)
+TARGET_PROBES = 8
 LEVEL_PROBES = 6  # then bisected between the highest feasible grid level and the next (1/512 of each range)
 # Plans that stand are replaced, where the step frees what they count alive, by one that adds at least this share
 # less time (each graph compiled again for it: not for a tie in the model's figures).
@@ -623,7 +624,7 @@ def plan_step(
         mid = (lo + hi) // 2
         if mid <= lo:
             break
-        plan = search.at(mid, LOWEST_GRID)
+        plan = search.at(mid)
         if plan is None:
             lo = mid
         else:
