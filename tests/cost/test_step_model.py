@@ -383,16 +383,22 @@ def test_a_step_context_outside_a_first_step_hashes_as_before_first_step_existed
     assert options(first_step=True).fingerprint() != options().fingerprint()
 
 
+def random_graphs(seed: int, names: str, steps: int, target: int) -> tuple[dict, dict]:
+    """Random problems (`solve.synthetic`) as graphs of a step, with random parameters, shares and gradients."""
+    rng = np.random.default_rng(seed)
+    problems = {k: random_problem(seed * 10 + i, steps=steps, candidates=8, can_offload=False) for i, k in enumerate(names)}
+    graphs = {}
+    for k, p in problems.items():
+        shared = int(p.base_before_bytes[p.backward_start] * rng.uniform(0.3, 0.9))
+        graphs[k] = GraphStep(k, p, target, int(rng.integers(1, 4)) << 20, shared, int(rng.integers(1, 4)) << 20)
+    return problems, graphs
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_random_steps_fit_at_every_budget_between_lowest_and_unplanned(seed):
     """Three graphs, one called twice: every feasible step plan has its predicted step peak within the
     target, and lower targets never give a higher peak than the target."""
-    rng = np.random.default_rng(seed)
-    problems = {k: random_problem(seed * 10 + i, steps=60, candidates=8, can_offload=False) for i, k in enumerate("ABC")}
-    graphs = {}
-    for k, p in problems.items():
-        shared = int(p.base_before_bytes[p.backward_start] * rng.uniform(0.3, 0.9))
-        graphs[k] = GraphStep(k, p, 0, int(rng.integers(1, 4)) << 20, shared, int(rng.integers(1, 4)) << 20)
+    problems, graphs = random_graphs(seed, "ABC", steps=60, target=0)
     shape = StepShape(("A", "B", "B", "C"), parameter_bytes=sum(g.parameter_bytes for g in graphs.values()) + (2 << 20))
     lowest = {k: lowest_boundary_decisions(p) for k, p in problems.items()}
     saved = {k: p.all_saved() for k, p in problems.items()}
@@ -505,12 +511,7 @@ def test_the_smallest_step_peak_when_nothing_fits_is_no_higher_than_a_plan_that_
     bisection tried the shared level on a grid of 4, and the fitting plans can lie between two of its points:
     here 200.1 and 357.0 MB against plans that fit at 192.8 and 344.5 MB; on the HF GPT-2 bench, a budget
     nothing fits compiled a 56.9 MB plan where one at 0.85x upstream's lowest peak measured 55.9 MB."""
-    rng = np.random.default_rng(seed)
-    problems = {k: random_problem(seed * 10 + i, steps=40, candidates=8, can_offload=False) for i, k in enumerate("AB")}
-    graphs = {}
-    for k, p in problems.items():
-        shared = int(p.base_before_bytes[p.backward_start] * rng.uniform(0.3, 0.9))
-        graphs[k] = GraphStep(k, p, 1, int(rng.integers(1, 4)) << 20, shared, int(rng.integers(1, 4)) << 20)
+    problems, graphs = random_graphs(seed, "AB", steps=40, target=1)
     shape = StepShape(("A", "B", "A"), parameter_bytes=sum(g.parameter_bytes for g in graphs.values()))
     saved = {k: p.all_saved() for k, p in problems.items()}
     high = step_peak([shape], graphs, {k: GraphLevels.of(problems[k], saved[k]) for k in graphs}).bytes
