@@ -503,7 +503,6 @@ def test_contexts_net_what_each_call_freed_before_its_backward():
     assert context.backward_bytes == 70
 
 
-
 @pytest.mark.parametrize("seed, fitting_target", [(27, 195_000_000), (37, 350_000_000)])
 def test_the_smallest_step_peak_when_nothing_fits_is_no_higher_than_a_plan_that_fits_a_higher_budget(seed, fitting_target):
     """on_infeasible="best" compiles the plan of the smallest step peak found (bisection on the target): it is

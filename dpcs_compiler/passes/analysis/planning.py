@@ -311,12 +311,12 @@ def _recompute_closure(
     buffer: Buffer,
     holder: fx.Node,
     live: Liveness,
-    resident: set[fx.Node],
+    readable: set[fx.Node],
     position: dict[fx.Node, int],
     index_of_holder: dict[fx.Node, int],
 ) -> tuple[tuple[fx.Node, ...], tuple[int, ...], int, bool]:
-    """Nodes to re-run to make `buffer` again (up to the nodes of `resident`, read where they are), the
-    candidates they read, their other bytes, randomness."""
+    """Nodes to re-run to make `buffer` again (up to the nodes of `readable`, read where they are: resident
+    inputs and the graph's outputs), the candidates they read, their other bytes, randomness."""
     seen: set[fx.Node] = set()
     nodes: list[fx.Node] = []
     inputs: set[int] = set()
@@ -328,7 +328,7 @@ def _recompute_closure(
         seen.add(node)
         nodes.append(node)
         for arg in node.all_input_nodes:
-            if arg in resident or arg in seen:
+            if arg in readable or arg in seen:
                 continue
             if arg in index_of_holder and arg is not holder:
                 inputs.add(index_of_holder[arg])
