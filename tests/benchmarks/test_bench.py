@@ -354,3 +354,50 @@ def test_dpcs_is_given_what_the_process_holds_for_others_on_top_of_its_budget(be
     assert strategy.budget_bytes == 10 * MiB
     own = [torch.zeros(256)]
     assert bench.held_outside(torch.device("cpu"), own) == 0
+
+
+def test_median_interval_is_the_order_statistics_the_binomial_gives(bench):
+    # n = 15 at 95%: P(Binomial(15, 1/2) <= 3) = 0.018 <= 0.025 < P(<= 4) = 0.059, so the 4th smallest and largest
+    assert bench.median_interval(list(range(15))) == (3, 11)
+    assert bench.median_interval([5, 1, 4, 2, 3, 0][::-1]) == (0, 5)  # n = 6: only the extremes reach 95%
+    assert bench.median_interval([1, 2, 3, 4, 5]) is None  # 2 / 32 > 5%: no interval of five values is that sure
+    assert bench.median_interval(list(range(15)), confidence=0.5) == (5, 9)
+    with pytest.raises(ValueError, match="confidence must be in"):
+        bench.median_interval([1.0] * 10, confidence=1.0)
+
+
+def test_pairwise_targets_say_when_a_miss_is_within_the_timing_noise(bench, capsys):
+    """The GPT on the Xeon (benchmarks/results/xeon_full_grid): dpcs at compile's peak ran the same plan as
+    compile, 1.04x its median time in 15 rounds; round by round the two are not told apart."""
+    wobble = [1.00, 0.97, 1.06, 1.02, 0.99, 1.08, 0.96, 1.03, 1.01, 1.05, 0.98, 1.04, 1.00, 1.07, 0.95]
+    compile_times = [0.125] * 15
+    results = {
+        "compile": {**_result("upstream", 90 * MiB, 0.125), "step_s_all": compile_times},
+        "compile_amb=1": {**_result("upstream", 90 * MiB, 0.126), "step_s_all": [0.126] * 15},
+        "eager_ac": {**_result("upstream", 60 * MiB, 0.16), "step_s_all": [0.16] * 15},
+        "dpcs@90MiB": {**_result("dpcs", 90 * MiB, 0.130, 90 * MiB), "budget_source": "peak of compile, compile_amb=1",
+                       "step_s_all": [0.125 * w for w in wobble]},
+        "dpcs@60MiB": {**_result("dpcs", 59 * MiB, 0.158, 60 * MiB), "budget_source": "peak of eager_ac",
+                       "step_s_all": [0.158] * 15},
+    }
+    t = bench.targets("gpt", results)
+    p = t["per_upstream"]["compile"]
+    assert p["holds"] is False and p["time_miss_within_noise"] is True
+    assert p["paired_time_ratio"] == pytest.approx(1.01)
+    assert p["time_ratio_interval"] == pytest.approx([0.98, 1.05])  # the 4th smallest and largest of 15
+    # A miss the interval does not reach is no noise: eager AC's target is 0.95x, dpcs ran 0.9875x every round.
+    ac = t["per_upstream"]["eager_ac"]
+    assert ac["holds"] is False and ac["time_miss_within_noise"] is False
+    assert ac["time_ratio_interval"] == pytest.approx([0.158 / 0.16] * 2)
+    assert t["same_plan_noise"]["paired_time_ratio"] == pytest.approx(0.126 / 0.125)
+    bench.print_tables({"device": "cpu", "torch": "x", "compiler": "inductor", "models": {"gpt": {
+        "model": "M", "parameters": 1, "strategies": {}, "targets": t}}}, Console(width=400, no_color=True))
+    out = capsys.readouterr().out
+    assert ("(1.04x, paired per round 0.98-1.05x (95%), target <= 1.00x): fails; the miss is within the run's "
+            "timing noise") in out
+    assert "timing noise: compile_amb=1 over compile (torch's one plan timed twice) 1.008x" in out
+    # Without per-round times (a result file from before): no interval, no claim about noise.
+    for r in results.values():
+        r.pop("step_s_all")
+    p = bench.targets("gpt", results)["per_upstream"]["compile"]
+    assert p["time_ratio_interval"] is None and p["time_miss_within_noise"] is False
