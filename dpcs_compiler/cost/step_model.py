@@ -275,6 +275,11 @@ class GraphStep:
     freeable: tuple[tuple[int, tuple[str, ...]], ...] = ()
     # Its plan as compiled is torch's own partition (kept: it fit), not one dpcs solved.
     torch_kept: bool = False
+    # Its plan, made alone (the step's first graph), keeps saved every candidate whose recomputation would read
+    # one of its outputs that the step may free (`stages/memory_plan.py::_solve_in_step`), so the step recorder
+    # sees whether the step frees it; a step that does not free it is planned again, a recomputation reading
+    # it being free there (`plan_step`).
+    observing: bool = False
 
     def gradients_at(self, step: int) -> int:
         """Bytes of its parameter gradients made by `step` of its problem (they stay to the step's end)."""
@@ -603,11 +608,13 @@ def plan_step(
                 for s in shapes) and len(graphs) == 1
     if peak.bytes <= target and settled or alone:
         unchanged = StepPlan(dict.fromkeys(graphs), dict(current), levels, peak, peak.bytes <= target, None, 0, alone)
-        if not any(freed > 0 for shape in shapes for freed in shape.call_backward_freed):
+        if not any(freed > 0 for shape in shapes for freed in shape.call_backward_freed) and not any(
+                g.observing for g in graphs.values()):
             return unchanged
         # The step frees some of a graph's own outputs (or inputs) before its backward (a model's logits, when
         # the loop keeps only the loss), which that graph's own plan counts alive through it: with them
-        # counted freed a cheaper plan may fit, or one may fit where none did.
+        # counted freed a cheaper plan may fit, or one may fit where none did. Or a graph's plan kept saved what
+        # would read its outputs, to see whether the step frees them: where it does not, reading them is free.
         return _cheaper_where_freed(unchanged, shapes, graphs, solver, final, target, torch_limit)
     found, search = _offer_or_search(shapes, graphs, solver, final, target, torch_limit)
     if found is not None:

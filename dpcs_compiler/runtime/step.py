@@ -934,8 +934,10 @@ class StepRecorder:
                                                      _host_link(profile), transients,
                                                      profile.memory_bandwidth if profile is not None else None,
                                                      torch_limit)
-        if plan.alone:
+        if plan.alone and not any(freed > 0 for shape in shapes for freed in shape.call_backward_freed):
             return None, None, None  # one graph: its own plan is the step's (its compile raised or warned already)
+        # One graph whose step frees some of its outputs before its backward (a loss's logits): its plan stands,
+        # but its own prediction counts those alive; the step's is recorded (and, if it does not fit, said).
         peak = plan.peak
         peak_node = _node_name(dispatchers[peak.graph], peak.step)
         graphs_peak, turn_peak, end = predicted_levels(shapes, graphs, plan.levels)

@@ -23,7 +23,7 @@ from dpcs_compiler.cost.hardware import ResolvedProfile
 from dpcs_compiler.cost.memory_model import SAVE, MemoryProblem, plan_memory
 from dpcs_compiler.cost.profiles import resolve_profile
 from dpcs_compiler.ops import offload_ops  # noqa: F401  (times its ops in a CUDA profile measured here)
-from dpcs_compiler.cost.step_model import GraphStep, TorchLevels, in_step
+from dpcs_compiler.cost.step_model import GraphStep, TorchLevels, in_step, recomputed_names
 from dpcs_compiler.debug.render import format_bytes
 from dpcs_compiler.options import DpcsOptions
 from dpcs_compiler.passes.analysis import FORWARD, Schedule
@@ -444,8 +444,18 @@ class GraphJob:
             torch_partition=torch_partition,
             freeable=tuple((f.nbytes, f.readers) for f in sharing.freeable if f.readers),
             torch_kept=self.record.solver == TORCH_SOLVER,
+            observing=self.observing,
         )
         return graph, decisions
+
+    @property
+    def observing(self) -> bool:
+        """Whether its plan, made alone, keeps saved every candidate whose recomputation would read one of its
+        outputs the step may free (`GraphStep.observing`)."""
+        if self.options.step_context is not None or self.sharing is None or self.problem is None:
+            return False
+        readers = self.sharing.output_readers()
+        return bool(readers) and readers.isdisjoint(recomputed_names(self.problem, self.plan.decisions))
 
     def finish(self) -> None:
         """Write the plan and the summary (again after each stage, so a lazy backward updates them), and

@@ -363,6 +363,11 @@ class StepSharing:
     # backward (a loss's logits between two graphs): the problem counts them alive to the step's end.
     freeable: tuple[Freeable, ...] = ()
 
+    def output_readers(self) -> frozenset[str]:
+        """The candidates whose recomputation reads one of its forward outputs (and none of its inputs) that
+        its backward does not read: a plan that recomputes one keeps that output alive for the backward."""
+        return frozenset(name for f in self.freeable if f.outputs and not f.inputs for name in f.readers)
+
 
 @dataclasses.dataclass(frozen=True)
 class Freeable:
