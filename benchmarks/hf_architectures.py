@@ -68,6 +68,23 @@ def architectures() -> dict[str, Callable[[], tuple[torch.nn.Module, dict[str, t
         "bart": lambda: lm(T.BartForConditionalGeneration(T.BartConfig(
             vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
             decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=128))),
+        "gpt2": lambda: lm(T.GPT2LMHeadModel(T.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128))),
+        "llama": lambda: lm(T.LlamaForCausalLM(T.LlamaConfig(**small, num_key_value_heads=2))),
+        "qwen3": lambda: lm(T.Qwen3ForCausalLM(T.Qwen3Config(**small, num_key_value_heads=2, head_dim=16))),
+        "gptj": lambda: lm(T.GPTJForCausalLM(T.GPTJConfig(
+            vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128, rotary_dim=8))),
+        "gpt_neo": lambda: lm(T.GPTNeoForCausalLM(T.GPTNeoConfig(
+            vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4, max_position_embeddings=128,
+            attention_types=[[["global", "local"], 1]], window_size=32))),
+        "falcon": lambda: lm(T.FalconForCausalLM(T.FalconConfig(
+            vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4))),
+        "electra": lambda: lm(T.ElectraForMaskedLM(T.ElectraConfig(**small, embedding_size=32))),
+        "deberta_v2": lambda: lm(T.DebertaV2ForMaskedLM(T.DebertaV2Config(**small))),
+        "mixtral": lambda: lm(T.MixtralForCausalLM(T.MixtralConfig(
+            **small, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2))),
+        "olmo": lambda: lm(T.OlmoForCausalLM(T.OlmoConfig(**small))),
+        "mpt": lambda: lm(T.MptForCausalLM(T.MptConfig(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4,
+                                                      max_seq_len=128))),
         "vit": lambda: (T.ViTForImageClassification(T.ViTConfig(
             hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, image_size=32,
             patch_size=8, num_labels=10)),
