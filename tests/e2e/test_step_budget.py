@@ -596,17 +596,12 @@ class LossAndLogits(LossAfterBreak):
         return torch.nn.functional.cross_entropy(logits, y), logits
 
 
-@pytest.mark.parametrize("keep_logits", [False, True])
-def test_logits_a_single_graph_returns_and_the_loop_drops_are_not_counted_in_its_backward(keep_logits):
-    """The graph's own plan counts its logits output alive through its backward (its caller may keep it), so
-    at a budget it fits a plan that recomputes more than the step needs. A step of that one graph that frees
-    the logits before its backward is planned again with them freed: it recomputes less, measures within the
-    budget and within 1% of its prediction, and its gradients are eager's. A loop that keeps the logits
-    through the backward keeps the graph's own plan."""
+def loss_and_logits(keep_logits):
+    """`LossAndLogits` (seeded), its inputs, its logits' bytes, the resident baseline, and a step that drops the
+    logits before the backward unless `keep_logits`."""
     torch.manual_seed(0)
     model = LossAndLogits()
     x, y = torch.randn(512, 128), torch.randint(0, 2048, (512,))
-    logits_bytes = 512 * 2048 * 4
     baseline = resident_bytes([*model.parameters(), x, y])
 
     def step(compiled):
@@ -614,6 +609,18 @@ def test_logits_a_single_graph_returns_and_the_loop_drops_are_not_counted_in_its
         if not keep_logits:
             del logits
         loss.backward()
+
+    return model, x, y, 512 * 2048 * 4, baseline, step
+
+
+@pytest.mark.parametrize("keep_logits", [False, True])
+def test_logits_a_single_graph_returns_and_the_loop_drops_are_not_counted_in_its_backward(keep_logits):
+    """The graph's own plan counts its logits output alive through its backward (its caller may keep it), so
+    at a budget it fits a plan that recomputes more than the step needs. A step of that one graph that frees
+    the logits before its backward is planned again with them freed: it recomputes less, measures within the
+    budget and within 1% of its prediction, and its gradients are eager's. A loop that keeps the logits
+    through the backward keeps the graph's own plan."""
+    model, x, y, logits_bytes, baseline, step = loss_and_logits(keep_logits)
 
     unplanned, lowest = unplanned_and_lowest(model, step, baseline)
     budget = int(lowest + 0.5 * (unplanned - lowest))
@@ -645,17 +652,7 @@ def test_the_lowest_plan_of_a_graph_whose_remakes_would_read_its_logits_is_predi
     backward: GPT-J, Mixtral and OLMo were predicted 5-10% over what they measured, OLMo infeasible at a budget
     it met. A graph planned alone now keeps what would read its outputs saved where a plan fits so, the step
     sees the drop and is predicted within 1%; a loop that keeps the logits gets a plan that reads them."""
-    torch.manual_seed(0)
-    model = LossAndLogits()
-    x, y = torch.randn(512, 128), torch.randint(0, 2048, (512,))
-    logits_bytes = 512 * 2048 * 4
-    baseline = resident_bytes([*model.parameters(), x, y])
-
-    def step(compiled):
-        loss, logits = compiled(x, y)
-        if not keep_logits:
-            del logits
-        loss.backward()
+    model, x, y, logits_bytes, baseline, step = loss_and_logits(keep_logits)
 
     peaks, compiled = measured_steps(model, step, baseline, 5, memory_budget=1, on_infeasible="best")
     own = [r for r in compile_records() if r.mode == "training"][0]
