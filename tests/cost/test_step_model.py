@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from dpcs_compiler.cost.budget import RUNTIME_ALLOWANCE_BYTES
-from dpcs_compiler.cost.memory_model import RECOMPUTE, SAVE, Candidate, MemoryProblem, plan_memory
+from dpcs_compiler.cost.memory_model import RECOMPUTE, SAVE, Candidate, MemoryProblem, plan_memory, plan_seconds
 from dpcs_compiler.cost.step_model import (
     OPTIMIZER,
     TARGET_PROBES,
@@ -24,6 +24,7 @@ from dpcs_compiler.cost.step_model import (
     contexts_for,
     end_bytes,
     in_step,
+    kept_saved,
     lowest_boundary_decisions,
     plan_step,
     step_peak,
@@ -446,6 +447,44 @@ def test_plans_that_stand_are_planned_again_where_the_step_frees_what_they_count
     # Not cheaper (the same plan in its context): the plans stand.
     same = plan_step([freed], {"A": graph("A", p, target=190)}, {"A": (SAVE, SAVE)}, solver)
     assert same.level is None and same.decisions == {"A": (SAVE, SAVE)}
+
+
+def test_first_plans_whose_step_fits_stand_where_no_level_of_the_search_fits():
+    """First plans (not settled: a graph ended at a graph break) whose step fits, where the level search finds
+    nothing at the target: they stand, feasible, without the bisection for a smallest peak (HF GPT-2's two graphs
+    were said not to fit a budget their step met, after 215 solves and 17 s)."""
+    p = problem()
+    graphs = {k: graph(k, p, target=10_000, shared=100) for k in "AB"}
+    calls = []
+
+    def nothing_fits(problem_, target):
+        calls.append(target)
+        return problem_.all_saved(), False
+
+    plan = plan_step([StepShape(("A", "B"), 0)], graphs, {k: (SAVE, SAVE) for k in "AB"}, nothing_fits, settled=False)
+    assert plan.feasible and plan.level is None and plan.contexts == {"A": None, "B": None}
+    assert plan.decisions == {k: (SAVE, SAVE) for k in "AB"} and plan.peak.bytes <= 10_000
+    assert len(set(calls)) == 1  # the search at the target only: no bisection on it
+
+
+def test_a_plan_that_kept_its_outputs_readers_saved_is_planned_again_where_the_step_keeps_its_outputs():
+    """A graph planned alone keeps saved what would read its outputs (`GraphStep.observing`), so the step sees
+    whether the loop drops them. Where the step frees nothing, the step is planned again: there reading an
+    output costs nothing, and a plan that recomputes from it adds less time."""
+    # A backward temporary makes the peak at step 7, with both saved 220 B: recomputing either fits 195 B.
+    p = MemoryProblem(base_bytes=np.array([100] * 7 + [140, 100, 100]), step_seconds=np.ones(10),
+                      backward_start=5, candidates=(Candidate("a", 50, 0, 1, 8, 9, recompute_seconds=1.0),
+                                                    Candidate("b", 30, 1, 2, 8, 9, recompute_seconds=2.0)))
+    observed = kept_saved(p, ["a"])  # "a" reads an output: the observing plan may not recompute it
+    own, ok = solver(observed, 195)
+    assert ok and own == (SAVE, RECOMPUTE)
+    g = dataclasses.replace(graph("A", p, target=195), freeable=((64, ("a",)),), observing=True)
+    plan = plan_step([StepShape(("A",), 0)], {"A": g}, {"A": own}, solver)
+    assert plan.feasible and plan.level is not None and plan.decisions == {"A": (RECOMPUTE, SAVE)}
+    assert plan_seconds(p, plan.decisions["A"]) < plan_seconds(p, own)
+    # Not observing: a step of one call with nothing freed keeps its graph's own plan.
+    alone = plan_step([StepShape(("A",), 0)], {"A": dataclasses.replace(g, observing=False)}, {"A": own}, solver)
+    assert alone.alone and alone.level is None and alone.solves == 0
 
 
 def test_what_the_step_frees_before_a_backward_comes_off_its_backward_steps_and_keeps_its_readers_saved():
