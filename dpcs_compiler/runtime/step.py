@@ -32,6 +32,7 @@ process started are all planned for, so steps that alternate between branches ho
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import gc
@@ -203,10 +204,7 @@ class StepRecorder:
         """Forget every graph and step seen (their graphs stay as they are compiled)."""
         for d in list(getattr(self, "participants", ())):
             d._watch = False
-        for meter in (getattr(self, "meter", None), (getattr(self, "due", None) or (None,))[0],
-                      getattr(self, "optimizer_meter", None)):
-            if meter is not None:
-                meter.discard()  # a measurement under way or waiting is dropped (no collective here)
+        self.stop_measuring()
         self.participants: weakref.WeakSet[GraphDispatcher] = weakref.WeakSet()
         self.calls: list[_Call] = []
         self.marks = _compile_marks()  # read at the last step end or garbage collection (`_Call.backward_starts`)
@@ -258,6 +256,16 @@ class StepRecorder:
         self.optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self.planned_state: dict[tuple, tuple[set[int], int]] = {}  # step key -> (optimizers, state bytes) planned
         self.blocks: dict[tuple[int, int], _Block] = {}  # ParameterOffload modules the steps' graphs ran, by name
+
+    def stop_measuring(self) -> None:
+        """Drop a measurement under way or waiting to be read (no collective here): its CPU profiler is stopped.
+        Also at the interpreter's exit: a process that ended while one ran (a script of 3 steps, whose last
+        step was measured and not yet read) crashed in the profiler's teardown (exit status 139)."""
+        for meter in (getattr(self, "meter", None), (getattr(self, "due", None) or (None,))[0],
+                      getattr(self, "optimizer_meter", None)):
+            if meter is not None:
+                meter.discard()
+        self.meter, self.due, self.optimizer_meter = None, None, None
 
     # -- watching ------------------------------------------------------------------------------------------
     def arm(self, dispatcher: GraphDispatcher | None = None) -> None:
@@ -1374,6 +1382,7 @@ def _counted(calls: Sequence[str]) -> list[str]:
 
 STEPS = StepRecorder()
 _ON_CLEAR.append(STEPS.reset)
+atexit.register(STEPS.stop_measuring)
 BEFORE_PROFILING.append(STEPS.finish_reading)
 
 
