@@ -568,6 +568,11 @@ class StepPlan:
 Solver = Callable[[MemoryProblem, int], tuple[tuple[str, ...], bool]]  # (problem, target) -> (decisions, feasible)
 
 
+def frees_before_backward(shapes: Sequence[StepShape]) -> bool:
+    """Whether a step frees some of a graph's own inputs or outputs before that graph's backward (measured)."""
+    return any(freed > 0 for shape in shapes for freed in shape.call_backward_freed)
+
+
 def plan_step(
     shapes: Sequence[StepShape],
     graphs: Mapping[str, GraphStep],
@@ -608,8 +613,7 @@ def plan_step(
                 for s in shapes) and len(graphs) == 1
     if peak.bytes <= target and settled or alone:
         unchanged = StepPlan(dict.fromkeys(graphs), dict(current), levels, peak, peak.bytes <= target, None, 0, alone)
-        if not any(freed > 0 for shape in shapes for freed in shape.call_backward_freed) and not any(
-                g.observing for g in graphs.values()):
+        if not frees_before_backward(shapes) and not any(g.observing for g in graphs.values()):
             return unchanged
         # The step frees some of a graph's own outputs (or inputs) before its backward (a model's logits, when
         # the loop keeps only the loss), which that graph's own plan counts alive through it: with them

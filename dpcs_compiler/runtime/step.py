@@ -62,6 +62,7 @@ from dpcs_compiler.cost.step_model import (
     StepShape,
     boundary_level,
     end_bytes,
+    frees_before_backward,
     plan_step,
     predicted_levels,
     recomputed_names,
@@ -942,7 +943,7 @@ class StepRecorder:
                                                      _host_link(profile), transients,
                                                      profile.memory_bandwidth if profile is not None else None,
                                                      torch_limit)
-        if plan.alone and not any(freed > 0 for shape in shapes for freed in shape.call_backward_freed):
+        if plan.alone and not frees_before_backward(shapes):
             return None, None, None  # one graph: its own plan is the step's (its compile raised or warned already)
         # One graph whose step frees some of its outputs before its backward (a loss's logits): its plan stands,
         # but its own prediction counts those alive; the step's is recorded (and, if it does not fit, said).

@@ -292,21 +292,20 @@ def _solve_in_step(problem: MemoryProblem, context: StepContext | None, target: 
 
     if context is None:  # the step's first graph, or one alone: its outputs only (its inputs are the loop's)
         readers = sharing.output_readers() if sharing is not None else frozenset()
-        if readers:
-            observing = solve(StepContext(keep_saved=tuple(sorted(readers))))[1]
-            if observing.feasible:
-                return None, observing
-            free = solve(context)
-            return free if free[1].feasible else (None, observing)
-    if context is not None and context.first_step:
+        observed = StepContext(keep_saved=tuple(sorted(readers)))
+    elif context.first_step:
         readers = {name for f in sharing.freeable for name in f.readers} - set(context.keep_saved)
-        if readers:
-            observing = solve(dataclasses.replace(context, keep_saved=(*context.keep_saved, *sorted(readers))))
-            if observing[1].feasible:
-                return observing
-            free = solve(context)
-            return free if free[1].feasible else observing
-    return solve(context)
+        observed = dataclasses.replace(context, keep_saved=(*context.keep_saved, *sorted(readers)))
+    else:
+        return solve(context)
+    if not readers:
+        return solve(context)
+    trial, observing = solve(observed)
+    observing = (trial if context is not None else None, observing)  # without a context, the caller's stays None
+    if observing[1].feasible:
+        return observing
+    free = solve(context)
+    return free if free[1].feasible else observing
 
 
 def plan_memory_budget(
