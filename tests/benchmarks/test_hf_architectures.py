@@ -26,6 +26,22 @@ def test_bert_called_with_labels_holds_the_budget_and_is_planned_with_its_logits
     assert bert["measured_bytes"] <= bert["predicted_bytes"] <= 1.01 * bert["measured_bytes"]
 
 
+def test_train_mode_with_dropout_holds_the_budget_and_writes_its_own_file(tmp_path, monkeypatch):
+    """With dropout on, the compiled graphs draw other masks than eager: the gradients are checked finite, not
+    compared (`gradients_match_eager` is None, not True), and the budget and prediction are held as in eval
+    mode. The random values are never recomputed (they would not reproduce), so the plan saves them."""
+    monkeypatch.setenv("DPCS_HARDWARE_PROFILE", "reference-cpu")
+    run = load_benchmark("hf_architectures").main
+    assert run(["--models", "distilbert", "--steps", "2", "--train", "--out", str(tmp_path)]) == 0
+    assert not (tmp_path / "hf_architectures_eager.json").exists()
+    result = json.loads((tmp_path / "hf_architectures_eager_train.json").read_text())
+    assert result["train"] is True
+    model = result["models"]["distilbert"]
+    assert model["gradients_match_eager"] is None
+    assert model["held"] and model["feasible"]
+    assert model["measured_bytes"] <= model["predicted_bytes"] <= 1.01 * model["measured_bytes"]
+
+
 def test_an_unknown_model_is_refused_with_the_choices(tmp_path, capsys):
     with pytest.raises(SystemExit):
         load_benchmark("hf_architectures").main(["--models", "gpt5", "--out", str(tmp_path)])
