@@ -824,8 +824,10 @@ def print_tables(payload: dict[str, Any], console) -> None:
             console.print("  target step time: no dpcs point ran", highlight=False)
         for u, p in t.get("per_upstream", {}).items():
             verdict = "[green]holds[/green]" if p["holds"] else "[red]fails[/red]"
-            if p.get("overhead_share") is not None:
-                verdict += f"; pays {p['overhead_share']:.0%} of its time over compile's"
+            share = p.get("overhead_share")
+            if share is not None:  # below zero: dpcs's point ran faster than torch's unbudgeted step
+                verdict += (f"; pays {share:.0%} of its time over compile's" if share >= 0
+                            else "; ran faster than compile's own unbudgeted step")
             if not p["holds"] and p.get("target_under_unbudgeted"):
                 verdict += (f" (the target, {p['target_ratio'] * p['upstream_step_s'] * 1e3:.1f} ms, is under "
                             f"compile's unbudgeted {p['unbudgeted_step_s'] * 1e3:.1f} ms)")

@@ -335,6 +335,14 @@ def test_pairwise_targets_say_where_they_ask_to_beat_torchs_unbudgeted_step(benc
         Console(width=400, no_color=True))
     out = capsys.readouterr().out
     assert "pays 10% of its time over compile's (the target, 181.4 ms, is under compile's unbudgeted 181.6 ms)" in out
+    # A dpcs point faster than compile itself pays no share of upstream's time: said so, not as a negative share.
+    results["dpcs@63MiB"]["step_s"] = 0.1790
+    faster = bench.targets("hf_gpt2", results)
+    assert faster["per_upstream"]["eager_ac"]["overhead_share"] < 0
+    bench.print_tables({"device": "cpu", "torch": "x", "compiler": "inductor", "models": {"hf_gpt2": {
+        "model": "M", "parameters": 1, "strategies": {}, "targets": faster}}}, Console(width=400, no_color=True))
+    out = capsys.readouterr().out
+    assert "holds; ran faster than compile's own unbudgeted step" in out and "pays -" not in out
     # Without a compile run there is nothing to compare with.
     del results["compile"]
     assert bench.targets("hf_gpt2", results)["per_upstream"]["eager_ac"]["overhead_share"] is None
