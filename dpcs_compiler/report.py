@@ -39,6 +39,10 @@ class CompileRecord:
     # The memory plan (set only when a memory_budget is given):
     budget_bytes: int | None = None
     plan_feasible: bool | None = None  # the plan's predicted peak is within the budget
+    # A graph planned alone whose budget no plan meets while its outputs count alive through its backward, but
+    # might if the step's code drops them (a loss's logits): the verdict (on_infeasible's error or warning), left
+    # to the step, which sees whether they are dropped (`runtime/step.py`); None once given or never deferred.
+    infeasible_deferred: str | None = None
     solver: str | None = None
     recomputed_values: int = 0
     offloaded_values: int = 0

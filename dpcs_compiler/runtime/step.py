@@ -859,6 +859,14 @@ class StepRecorder:
                     only.set_step_context(None)  # checked at the next step
                     self.to_plan = True
                     return None
+                # Its compile left the budget's verdict to the step (its outputs might have been dropped before
+                # its backward): they were not, so its own plan's verdict stands.
+                deferred = only.take_deferred_infeasible()
+                if deferred is not None:
+                    if only.options.on_infeasible == "error":
+                        raise BudgetInfeasibleError(f"{deferred}; raise the budget, or pass on_infeasible='best' to "
+                                                    "compile it")
+                    warnings.warn(f"{deferred}; compiling it (on_infeasible='best')", stacklevel=4)
                 g, decisions = graph
                 levels = {only.name: GraphLevels.of(g.problem, decisions)}
                 self.verify_in, self.predicted = 0, predicted_levels(shapes, {only.name: g}, levels)
@@ -869,6 +877,8 @@ class StepRecorder:
                 self.fitted_budget = None
             return None
         add_step_record(record)
+        for d in dispatchers.values():  # the step's plan decides instead (and its message, below, if it does not fit)
+            d.take_deferred_infeasible()
         chosen = record.optimizer_state or {}
         if chosen.get("chosen"):  # every rank its own optimizers and blocks, as rank 0's plan says
             if chosen["format"] is not None:

@@ -510,6 +510,15 @@ class GraphDispatcher:
         records = self.records.get(self.current_key) or []
         return records[0].budget_bytes if records else None
 
+    def take_deferred_infeasible(self) -> str | None:
+        """The budget verdict its current variant's compile left to the step (`CompileRecord.infeasible_deferred`:
+        its outputs might be dropped before its backward), taken once: the step gives it, or plans it away."""
+        records = self.records.get(self.current_key) or []
+        message = next((r.infeasible_deferred for r in records if r.infeasible_deferred), None)
+        for r in records:
+            r.infeasible_deferred = None
+        return message
+
     @property
     def current_peak_bytes(self) -> int | None:
         """The peak the current variant's plan predicts."""

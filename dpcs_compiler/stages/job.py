@@ -338,6 +338,8 @@ class GraphJob:
                 f"for a peak of {format_bytes(memory.peak_bytes)} ({memory.peak_bytes} B) after {self.record.replans} "
                 "re-plans" + ("" if self.replanning else " (compiled lazily, at the first backward: no re-plan possible)")
             )
+        if self.defers_infeasible(memory.peak_bytes, message):
+            return
         if self.options.on_infeasible == "error":
             raise BudgetInfeasibleError(f"{message}; raise the budget, or pass on_infeasible='best' to compile it")
         warnings.warn(f"{message}; compiling it (on_infeasible='best')", stacklevel=2)
@@ -447,6 +449,23 @@ class GraphJob:
             observing=self.observing,
         )
         return graph, decisions
+
+    def defers_infeasible(self, peak_bytes: int, message: str) -> bool:
+        """Whether the verdict on a plan `peak_bytes` high, over its limit, waits for the step: the graph is
+        planned alone (no step context yet) and its outputs the step may free (`StepSharing.freeable`, outputs
+        only: its inputs are the loop's) are enough to bring that peak within the limit if the step's code
+        drops them before the backward (a model called with labels returns its logits; a loop that keeps
+        `.loss` drops them). The step recorder sees whether it does, and the step planner then fits the budget
+        or gives on_infeasible's error or warning (`runtime/step.py`; a step of this graph alone that drops
+        nothing gives this `message`). Not refused before the step is seen, not warned twice."""
+        if self.options.step_context is not None or self.sharing is None or self.record.mode != "training":
+            return False
+        droppable = sum(f.nbytes for f in self.sharing.freeable if f.outputs and not f.inputs)
+        if droppable <= 0 or peak_bytes - droppable > self.limit:
+            return False
+        self.record.infeasible_deferred = message
+        log.info("%s: %s; left to the step, which may drop %d B of its outputs", self.record.graph, message, droppable)
+        return True
 
     @property
     def observing(self) -> bool:

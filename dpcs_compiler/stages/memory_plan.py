@@ -445,12 +445,15 @@ def plan_memory_budget(
                 f", counting what the compiled graphs of an earlier plan held beyond the plan model (forward "
                 f"{max(job.schedule_excess['forward'], 0)} B, backward {max(job.schedule_excess['backward'], 0)} B)"
             )
-        if options.on_infeasible == "error":
+        if job.defers_infeasible(solution.peak_bytes, message):
+            pass  # the step decides, once it is seen whether it drops the outputs
+        elif options.on_infeasible == "error":
             raise BudgetInfeasibleError(
                 f"{message}; raise the budget, or pass on_infeasible='best' to compile that plan"
                 + (f" (plan: {record.dump_dir}/plan.json)" if record.dump_dir else "")
             )
-        warnings.warn(f"{message}; compiling that plan (on_infeasible='best')", stacklevel=2)
+        else:
+            warnings.warn(f"{message}; compiling that plan (on_infeasible='best')", stacklevel=2)
     log.info(
         "%s: budget %d B, plan peak %d B (%s), %d recomputed, %d offloaded",
         record.graph, budget, solution.peak_bytes, "fits" if solution.feasible else "over",
