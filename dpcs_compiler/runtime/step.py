@@ -42,7 +42,7 @@ import logging
 import time
 import warnings
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -863,10 +863,7 @@ class StepRecorder:
                 # its backward): they were not, so its own plan's verdict stands.
                 deferred = only.take_deferred_infeasible()
                 if deferred is not None:
-                    if only.options.on_infeasible == "error":
-                        raise BudgetInfeasibleError(f"{deferred}; raise the budget, or pass on_infeasible='best' to "
-                                                    "compile it")
-                    warnings.warn(f"{deferred}; compiling it (on_infeasible='best')", stacklevel=4)
+                    _say_infeasible(deferred, [only])
                 g, decisions = graph
                 levels = {only.name: GraphLevels.of(g.problem, decisions)}
                 self.verify_in, self.predicted = 0, predicted_levels(shapes, {only.name: g}, levels)
@@ -900,9 +897,7 @@ class StepRecorder:
             record.peak_node, ", re-planned" if record.replanned else "",
         )
         if message is not None:
-            if any(d.options.on_infeasible == "error" for d in dispatchers.values()):
-                raise BudgetInfeasibleError(f"{message}; raise the budget, or pass on_infeasible='best' to compile that plan")
-            warnings.warn(f"{message}; compiling that plan (on_infeasible='best')", stacklevel=4)
+            _say_infeasible(message, dispatchers.values())
         if record.replanned:
             for name, d in dispatchers.items():
                 d.set_step_context(StepContext.parse(record.contexts.get(name)))
@@ -1389,6 +1384,14 @@ def _counted(calls: Sequence[str]) -> list[str]:
     for c in calls:
         counts[c] = counts.get(c, 0) + 1
     return [f"{name} x{n}" if n > 1 else name for name, n in counts.items()]
+
+
+def _say_infeasible(message: str, dispatchers: Iterable[GraphDispatcher]) -> None:
+    """on_infeasible's verdict on a step's plan (or on a graph's own, left to the step): the error if any of its
+    graphs asks for one, else a warning (from the step planner, called in a graph's first call of the step)."""
+    if any(d.options.on_infeasible == "error" for d in dispatchers):
+        raise BudgetInfeasibleError(f"{message}; raise the budget, or pass on_infeasible='best' to compile that plan")
+    warnings.warn(f"{message}; compiling that plan (on_infeasible='best')", stacklevel=5)
 
 
 STEPS = StepRecorder()
