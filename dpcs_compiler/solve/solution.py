@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from dpcs_compiler.cost.memory_model import OFFLOAD, SAVE, MemoryProblem, plan_memory, plan_seconds
-
+from dpcs_compiler.cost.memory_model import DECISIONS, OFFLOAD, MemoryProblem, plan_memory, plan_seconds
+from dpcs_compiler.solve.timeline import SAVE_, Timeline
 
 FREE_SECONDS = 1e-15  # an added time at or below this counts as free
 
@@ -51,13 +51,18 @@ def solved_solution(
     """A solver's answer: `measured_solution` of its decisions with every free offload saved instead where
     that keeps the plan within the budget (over it, where the peak does not rise). An offload whose copies
     hide and whose ops cost nothing (a profile that says so) ties with keeping the value, and a solver may
-    land on either; moving memory that lowers no peak is never the better of the two."""
-    decisions = list(decisions)
+    land on either; moving memory that lowers no peak is never the better of the two.
+
+    One pass on a `Timeline` (saving an offload only adds bytes, in its gap): a `plan_memory` per free offload
+    cost 1.3 s on a 2,500-step problem with 392 of them."""
     free = [i for i, d in enumerate(decisions) if d == OFFLOAD and problem.offload_seconds(i) <= FREE_SECONDS]
     if free:
-        limit = max(int(budget_bytes), plan_memory(problem, decisions).peak_bytes)
+        tl = Timeline(problem)
+        tl.reset([DECISIONS.index(d) for d in decisions])
+        limit = max(int(budget_bytes), tl.peak())
         for i in free:
-            trial = [*decisions[:i], SAVE, *decisions[i + 1:]]
-            if plan_memory(problem, trial).peak_bytes <= limit:
-                decisions = trial
+            move = tl.change(i, SAVE_)
+            if tl.raises_to(move) <= limit:
+                tl.apply(move)
+        decisions = tl.decisions()
     return measured_solution(problem, decisions, budget_bytes, solver, solve_seconds)

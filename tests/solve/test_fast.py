@@ -21,7 +21,8 @@ from dpcs_compiler.cost.memory_model import (
 )
 from dpcs_compiler.solve import fits, solve_fast
 from dpcs_compiler.solve.exact import solve_exact
-from dpcs_compiler.solve.fast import Timeline
+from dpcs_compiler.solve.solution import FREE_SECONDS, solved_solution
+from dpcs_compiler.solve.timeline import Timeline
 from dpcs_compiler.solve.synthetic import random_problem
 
 
@@ -231,3 +232,29 @@ def test_an_offload_that_costs_nothing_is_made_only_where_the_budget_or_the_lowe
     assert fits_without.feasible and fits_without.decisions == (OFFLOAD, SAVE) and fits_without.peak_bytes == 2010
     lowest = solve(problem, 1000)  # nothing fits: the lowest peak, 2000, needs both out
     assert not lowest.feasible and lowest.decisions == (OFFLOAD, OFFLOAD) and lowest.peak_bytes == 2000
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_free_offloads_are_saved_as_one_plan_memory_per_offload_would_save_them(seed):
+    """`solved_solution` saves each free offload the budget does not need, in one pass on a timeline; the
+    rule, written as it was (a `plan_memory` per offload, 1.3 s on a 2,500-step problem), gives the same plan."""
+    problem = random_problem(seed, steps=200, candidates=40, can_offload=True, transient_fraction=0.5)
+    free = [i for i, c in enumerate(problem.candidates) if c.can_offload and problem.offload_seconds(i) <= FREE_SECONDS]
+    assert len(free) >= 5  # the rule has work to do
+    rng = np.random.default_rng(seed)
+    start = [OFFLOAD if c.can_offload and rng.random() < 0.7 else RECOMPUTE if c.can_recompute and rng.random() < 0.5
+             else SAVE for c in problem.candidates]
+    peak = plan_memory(problem, start).peak_bytes
+    saved = plan_memory(problem, problem.all_saved()).peak_bytes
+    for budget in (0, peak, (peak + saved) // 2):
+        expected = list(start)
+        limit = max(budget, peak)
+        for i in free:
+            if expected[i] == OFFLOAD:
+                trial = [*expected[:i], SAVE, *expected[i + 1:]]
+                if plan_memory(problem, trial).peak_bytes <= limit:
+                    expected = trial
+        solution = solved_solution(problem, start, budget, "fast", 0.0)
+        assert solution.decisions == tuple(expected)
+        assert solution.peak_bytes == plan_memory(problem, expected).peak_bytes <= limit
+    assert solution.decisions.count(OFFLOAD) < start.count(OFFLOAD)  # it did save some
