@@ -18,7 +18,9 @@ is reused: a user's first run).
    within each round). Ratios are against plain Inductor; the first step alone is reported too.
 2. Pass time against graph size, at each of `--layers`: dpcs's passes (the sum of every compile record's
    pass seconds, and the step planner's time, "step/plan") with the budget, compiled with compiler="eager"
-   (the passes are the same; Inductor's own time is left out), against the joint graph's nodes. Linear growth keeps seconds per node flat.
+   (the passes are the same; Inductor's own time is left out), against the joint graph's nodes, `--repeats`
+   rounds over the sizes in turn, each size's run of median pass time reported. Linear growth keeps seconds
+   per node flat; the exponent of the fitted power law (pass seconds ~ nodes^k) is reported too.
 
 Writes compile_time_cpu.json (device, torch and transformers versions inside) and compile_time_cpu.png.
 `--quick`: 2 and 4 layers, a tiny model (tests).
@@ -199,11 +201,21 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['first_step_ratio']:.2f}x", f"{r['pass_s']:.2f}", f"{r['pass_share']:.0%}",
                       str(r["replans"]), ", ".join(map(str, r["solvers"])))
     console.print(table)
-    # 2. dpcs's passes against graph size.
+    # 2. dpcs's passes against graph size: `--repeats` rounds over the sizes in turn (one run per size drifted
+    # with the machine: 750, 915 and 982 us per node in one such run, 801, 963 and 753 in the next), each
+    # size's run of median pass time reported with every run's.
+    sizes = [int(x) for x in args.layers.split(",")]
+    budgets = {layers: int(run(layers, "dpcs", args, compiler="eager")["peak_bytes"] * args.budget_fraction)
+               for layers in sizes}
+    by_size: dict[int, list[dict]] = {layers: [] for layers in sizes}
+    for _ in range(args.repeats):
+        for layers in sizes:
+            by_size[layers].append(run(layers, "dpcs_budget", args, budget=budgets[layers], compiler="eager"))
     scaling = []
-    for layers in [int(x) for x in args.layers.split(",")]:
-        probe = run(layers, "dpcs", args, compiler="eager")
-        r = run(layers, "dpcs_budget", args, budget=int(probe["peak_bytes"] * args.budget_fraction), compiler="eager")
+    for layers in sizes:
+        runs = sorted(by_size[layers], key=lambda r: r["pass_s"])
+        r = dict(runs[(len(runs) - 1) // 2])
+        r["pass_s_all"] = [x["pass_s"] for x in by_size[layers]]
         r["us_per_node"] = 1e6 * r["pass_s"] / max(r["joint_nodes"], 1)
         scaling.append(r)
     table = Table(title="dpcs passes with a budget against joint-graph nodes (compiler='eager')")
@@ -214,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         table.add_row(str(r["layers"]), str(r["joint_nodes"]), f"{r['pass_s']:.2f}", f"{r['us_per_node']:.0f}", top)
     console.print(table)
     growth = scaling[-1]["us_per_node"] / scaling[0]["us_per_node"] if len(scaling) > 1 else None
+    exponent = pass_time_exponent(scaling)
     budgeted = ratio_runs[2]
     payload = {
         "device": f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
@@ -228,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             "budget_ratio": budgeted["ratio"], "budget_ratio_target": TARGET_RATIO,
             "budget_ratio_holds": budgeted["ratio"] <= TARGET_RATIO,
             "us_per_node_growth": growth,
+            "pass_time_exponent": exponent,  # 1: linear in nodes
         },
     }
     args.out.mkdir(parents=True, exist_ok=True)
@@ -236,8 +250,21 @@ def main(argv: list[str] | None = None) -> int:
     plot(payload, args.out / f"{stem}.png")
     console.print(f"with a budget: {budgeted['ratio']:.2f}x plain Inductor (target <= {TARGET_RATIO}x); "
                   f"pass time per node at {scaling[-1]['layers']} layers vs {scaling[0]['layers']}: "
-                  + (f"{growth:.2f}x" if growth is not None else "-"))
+                  + (f"{growth:.2f}x" if growth is not None else "-")
+                  + (f", pass time ~ nodes^{exponent:.2f}" if exponent is not None else ""))
     return 0
+
+
+def pass_time_exponent(scaling: list[dict]) -> float | None:
+    """The slope of log(pass seconds) against log(joint nodes), by least squares over the sizes' median runs:
+    1 for linear growth, 2 for quadratic (None with fewer than two sizes)."""
+    import numpy as np
+
+    if len(scaling) < 2:
+        return None
+    nodes = np.log([r["joint_nodes"] for r in scaling])
+    seconds = np.log([r["pass_s"] for r in scaling])
+    return float(np.polyfit(nodes, seconds, 1)[0])
 
 
 def plot(payload: dict, path: Path) -> None:
@@ -256,6 +283,7 @@ def plot(payload: dict, path: Path) -> None:
     scaling = payload["pass_scaling"]
     right.plot([r["joint_nodes"] for r in scaling], [r["pass_s"] for r in scaling], "o-")
     for r in scaling:
+        right.plot([r["joint_nodes"]] * len(r.get("pass_s_all", ())), r.get("pass_s_all", ()), ".", color="#888")
         right.annotate(f"{r['layers']} layers", (r["joint_nodes"], r["pass_s"]))
     right.set_xlabel("joint-graph nodes")
     right.set_ylabel("dpcs passes, s")

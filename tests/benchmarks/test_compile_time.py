@@ -59,5 +59,16 @@ def test_results_file_and_plot(compile_time, monkeypatch, tmp_path):
     assert budgeted["steps_s_all"] == pytest.approx([22.0, 28.6, 19.8]) and budgeted["steps_s"] == pytest.approx(22.0)
     assert budgeted["paired_ratios"] == pytest.approx([1.1] * 3)
     assert payload["targets"]["us_per_node_growth"] == pytest.approx(1.0)
+    assert payload["targets"]["pass_time_exponent"] == pytest.approx(1.0)  # linear: pass_s and nodes both ~ layers
     assert [r["layers"] for r in payload["pass_scaling"]] == [2, 4]
+    assert [len(r["pass_s_all"]) for r in payload["pass_scaling"]] == [3, 3]  # each size in every round
     assert (tmp_path / "compile_time_cpu_quick.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_the_pass_time_exponent_tells_linear_from_quadratic(compile_time):
+    sizes = [(1000, 1.0), (2000, 2.0), (4000, 4.0)]
+    linear = [{"joint_nodes": n, "pass_s": s} for n, s in sizes]
+    quadratic = [{"joint_nodes": n, "pass_s": s * n / 1000} for n, s in sizes]
+    assert compile_time.pass_time_exponent(linear) == pytest.approx(1.0)
+    assert compile_time.pass_time_exponent(quadratic) == pytest.approx(2.0)
+    assert compile_time.pass_time_exponent(linear[:1]) is None
