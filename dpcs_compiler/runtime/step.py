@@ -74,7 +74,7 @@ from dpcs_compiler.heap import paused_collector
 from dpcs_compiler.passes.analysis.planning import Freeable, StepSharing
 from dpcs_compiler.measure import BEFORE_PROFILING, CpuMemoryProfile, optimizer_state_bytes
 from dpcs_compiler.files import write_text_atomic
-from dpcs_compiler.report import _ON_CLEAR, STEPS_FILE, StepRecord, add_step_record, compiles_raised
+from dpcs_compiler.report import _ON_CLEAR, STEPS_FILE, StepRecord, add_step_record, compile_records, compiles_raised
 from dpcs_compiler.cost.budget import torch_plan_limit
 from dpcs_compiler.cost.memory_model import MemoryProblem, plan_seconds
 from dpcs_compiler.cost.model_state import (
@@ -1394,9 +1394,22 @@ def _say_infeasible(message: str, dispatchers: Iterable[GraphDispatcher]) -> Non
     warnings.warn(f"{message}; compiling that plan (on_infeasible='best')", stacklevel=5)
 
 
+def warn_verdicts_never_given() -> list[str]:
+    """At exit: the budget verdicts graphs' compiles left to a step that never came (`GraphJob.defers_infeasible`:
+    a script that ran one step, or stopped before its second). That step may have gone over the budget, unless
+    it dropped the graphs' outputs before their backward; nothing said so. Warned, not raised (the steps ran);
+    the messages, for tests."""
+    left = [r.infeasible_deferred for r in compile_records() if r.infeasible_deferred]
+    for message in left:
+        warnings.warn(f"{message}, unless the step dropped the graph's outputs before its backward; the verdict waited "
+                      "for the step's plan at the second step, which never ran", stacklevel=1)
+    return left
+
+
 STEPS = StepRecorder()
 _ON_CLEAR.append(STEPS.reset)
 atexit.register(STEPS.stop_measuring)
+atexit.register(warn_verdicts_never_given)
 BEFORE_PROFILING.append(STEPS.finish_reading)
 
 

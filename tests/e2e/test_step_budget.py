@@ -12,7 +12,11 @@ profiler: a model with two graph breaks (a data-dependent branch and a `print`) 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -877,3 +881,36 @@ def test_a_budget_only_a_step_that_drops_the_logits_meets_is_decided_by_the_step
     assert step_records() and step_records()[-1].feasible
     assert peaks[-1] <= budget, (first, peaks)
     assert_gradients_match_eager(model, compiled, x, y)
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_a_verdict_left_to_a_second_step_that_never_runs_is_warned_at_exit(steps, tmp_path):
+    """The graph's own plan misses the budget unless the loop drops its logits, so its compile leaves the verdict
+    to the step planner at the second step. A script that runs one step and exits never got it: it now gets a
+    warning at exit, naming the budget. One that runs two gets the step's error then, and nothing at exit."""
+    script = tmp_path / "one_step.py"
+    script.write_text(
+        "import sys, warnings\n"
+        f"sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parent.parent)!r}]\n"
+        "from test_step_budget import loss_and_logits\n"
+        "from dpcs_testing import dpcs_compile\n"
+        "from dpcs_compiler.stages.job import BudgetInfeasibleError\n"
+        "model, x, y, _, _, step = loss_and_logits(True)\n"
+        "compiled = dpcs_compile(model, memory_budget=21_800_000)\n"
+        "step(compiled)\n"
+        f"if {steps} > 1:\n"
+        "    try:\n"
+        "        step(compiled)\n"
+        "    except BudgetInfeasibleError as e:\n"
+        "        print('raised:', e)\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
+                          env=os.environ | {"OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    at_exit = "the verdict waited for the step's plan at the second step, which never ran"
+    if steps == 1:
+        assert at_exit in done.stderr and "cannot be met for graph_" in done.stderr, done.stderr[-3000:]
+        assert "raised:" not in done.stdout
+    else:
+        assert "raised:" in done.stdout and "cannot be met for graph_" in done.stdout, done.stdout[-3000:]
+        assert at_exit not in done.stderr, done.stderr[-3000:]
