@@ -8,6 +8,7 @@ search) scales to thousands of candidates. `solve` picks one. Every `Solution` i
 from __future__ import annotations
 
 from dpcs_compiler.cost.memory_model import MemoryProblem
+from dpcs_compiler.fresh_stack import on_fresh_stack
 from dpcs_compiler.solve.exact import solve_exact
 from dpcs_compiler.solve.fast import solve_fast
 from dpcs_compiler.solve.solution import Solution, measured_solution
@@ -25,11 +26,13 @@ def solve(problem: MemoryProblem, budget_bytes: int, *, method: str = "auto") ->
     `EXACT_MAX_CANDIDATES` candidates within `AUTO_EXACT_SECONDS`, else fast)."""
     if method not in METHODS:
         raise ValueError(f"solver method {method!r} is not valid; valid choices: {', '.join(METHODS)}")
+    # On a fresh stack: called deep inside a compile, the solvers' loops can cross a CPython stack chunk's
+    # boundary on every call (`fresh_stack`).
     if method == "exact":
-        return solve_exact(problem, budget_bytes)
+        return on_fresh_stack(solve_exact, problem, budget_bytes)
     if method == "auto" and len(problem.candidates) <= EXACT_MAX_CANDIDATES:
-        return solve_exact(problem, budget_bytes, time_limit_s=AUTO_EXACT_SECONDS)
-    return solve_fast(problem, budget_bytes)
+        return on_fresh_stack(solve_exact, problem, budget_bytes, time_limit_s=AUTO_EXACT_SECONDS)
+    return on_fresh_stack(solve_fast, problem, budget_bytes)
 
 
 def solve_or_measure(problem: MemoryProblem, budget_bytes: int) -> Solution:
@@ -52,7 +55,7 @@ def fits(problem: MemoryProblem, budget_bytes: int) -> tuple[tuple[str, ...], bo
     if not problem.candidates:
         solution = measured_solution(problem, (), budget_bytes, "none", 0.0)
     else:
-        solution = solve_fast(problem, budget_bytes, lowest_when_over=False, local_search=False)
+        solution = on_fresh_stack(solve_fast, problem, budget_bytes, lowest_when_over=False, local_search=False)
     return solution.decisions, solution.feasible
 
 
