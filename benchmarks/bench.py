@@ -430,10 +430,40 @@ def _dpcs_fields(result: dict[str, Any], records: list) -> None:
     result["solvers"] = sorted({r["solver"] for r in training if r["solver"]})
 
 
+# Several benchmarks may share one lent GPU, each compiling on CPU cores of its own (`gpu_session.sh`): their
+# timed phases take this file lock in turn, so no step is timed while another process's steps run.
+DEVICE_LOCK_ENV = "DPCS_BENCH_DEVICE_LOCK"
+
+
+@contextlib.contextmanager
+def device_to_itself() -> Iterator[None]:
+    """Hold the lock file named by $DPCS_BENCH_DEVICE_LOCK (exclusive, blocking) for the block; without the
+    variable, nothing. `flock LOCKFILE CMD` takes the same lock from a shell."""
+    path = os.environ.get(DEVICE_LOCK_ENV)
+    if not path:
+        yield
+        return
+    import fcntl
+
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def time_interleaved(strategies: Sequence[Strategy], *, steps: int, warmup: int, device: torch.device,
                      field: str = "step_s") -> None:
     """Round-robin: each round runs one step of every strategy (starting one further each round); the median
-    goes to result[field], every time to result[field + "_all"]."""
+    goes to result[field], every time to result[field + "_all"]. The rounds run with the device to themselves
+    (`device_to_itself`)."""
+    with device_to_itself():
+        _time_interleaved(strategies, steps=steps, warmup=warmup, device=device, field=field)
+
+
+def _time_interleaved(strategies: Sequence[Strategy], *, steps: int, warmup: int, device: torch.device,
+                      field: str) -> None:
     live = [s for s in strategies if s.ok]
     for strategy in live:
         strategy.times = []

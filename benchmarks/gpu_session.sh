@@ -6,7 +6,8 @@
 #
 # SECONDS (default 400) is the deadline for the whole script; every step is cut at it. STEPS picks what runs
 # (default: all, in this order): env tests peak train cadence anatomy bench_gpt bench_llama precision stall. Each step's
-# own limit can be set as LIMIT_<name> (e.g. LIMIT_bench_gpt=240).
+# own limit can be set as LIMIT_<name> (e.g. LIMIT_bench_gpt=240). PARALLEL_TIMED=1 runs anatomy, bench_gpt and
+# bench_llama at once on their own cores, their timed phases taking turns on the GPU (see below).
 # The package is installed from this checkout (editable, no dependencies, no index: the machine has no
 # network), because torch finds the "dpcs" backend by the package's entry point. Everything lands in
 # $OUT/gpu_session.tar.gz (logs/, results/, rc.txt with each step's exit status and seconds).
@@ -57,9 +58,18 @@ else
 fi
 G=(taskset -c "$GPU_CPUS")
 
-# Correctness and memory first, in parallel (none of them is timed).
+# The GPU's timed phases take one lock in turn (bench.device_to_itself; `flock` from here): the steps below
+# may then share the GPU, each compiling on CPU cores of its own, and no step is timed while another's run.
+export DPCS_BENCH_DEVICE_LOCK=$W/device.lock
+L=(flock "$DPCS_BENCH_DEVICE_LOCK")
+
+# Correctness and memory first, in parallel (none of them is timed). With PARALLEL_TIMED=1 the timed steps
+# (anatomy, bench_gpt, bench_llama) start beside them, the CUDA tests holding the device's lock meanwhile.
+TIMED=()
+for name in anatomy bench_gpt bench_llama; do wants $name && TIMED+=($name); done
+PARALLEL_TIMED=${PARALLEL_TIMED:-0}
 pids=()
-wants tests && { step tests_cuda 180 "${G[@]}" $PY -m pytest -q -p no:cacheprovider -rs tests/ops/test_overflow.py \
+wants tests && { step tests_cuda 180 "${G[@]}" "${L[@]}" $PY -m pytest -q -p no:cacheprovider -rs tests/ops/test_overflow.py \
     tests/ops/test_offload_ops.py tests/passes/rewrite/test_offload.py tests/ops/test_fp8.py & pids+=($!); }
 wants peak && { step peak_prediction 180 "${G[@]}" $PY benchmarks/peak_prediction.py --device cuda --out "$W/results" & pids+=($!); }
 wants train && { step train_gpt 180 "${G[@]}" $PY examples/train_gpt.py --device cuda --steps 12 \
@@ -67,16 +77,34 @@ wants train && { step train_gpt 180 "${G[@]}" $PY examples/train_gpt.py --device
 if [[ -n "$EXTRA" ]]; then
     step "${EXTRA%%:*}" 180 "${G[@]}" bash -c "${EXTRA#*:}" & pids+=($!)
 fi
-(( ${#pids[@]} )) && wait "${pids[@]}"
+(( PARALLEL_TIMED )) || { (( ${#pids[@]} )) && wait "${pids[@]}"; pids=(); }
 
-# Timed work, one at a time on the GPU. First where a planned step's time goes (compile against dpcs with and
-# without offload at one budget, under the profiler).
-wants anatomy && step step_anatomy 150 "${G[@]}" $PY benchmarks/step_anatomy.py --device cuda --model gpt --steps 10 \
-    --warmup 2 --out "$W/results"
-wants bench_gpt && step bench_gpt 240 "${G[@]}" $PY benchmarks/bench.py --device cuda --models gpt --steps 10 --warmup 2 \
-    --out "$W/results/bench_gpt"
-wants bench_llama && step bench_llama 240 "${G[@]}" $PY benchmarks/bench.py --device cuda --models llama --steps 10 \
-    --warmup 2 --out "$W/results/bench_llama"
+# Timed work. First where a planned step's time goes (compile against dpcs with and without offload at one
+# budget, under the profiler), then the bench. One at a time, or with PARALLEL_TIMED=1 all at once, each pinned
+# to its share of the GPU steps' cores (their timed phases still one at a time, by the lock).
+cores_of() {  # cores_of I N: the I-th of N equal shares of GPU_CPUS (a range "a-b")
+    local a=${GPU_CPUS%-*} b=${GPU_CPUS#*-}; local n=$(( (b - a + 1) / $2 ))
+    (( n < 1 )) && n=1
+    local lo=$(( a + $1 * n )) hi=$(( a + ($1 + 1) * n - 1 ))
+    (( $1 == $2 - 1 || hi > b )) && hi=$b
+    (( lo > b )) && lo=$b
+    echo "$lo-$hi"
+}
+i=0
+for name in "${TIMED[@]}"; do
+    if (( PARALLEL_TIMED )); then T=(taskset -c "$(cores_of $i ${#TIMED[@]})"); else T=("${G[@]}"); fi
+    case $name in
+        anatomy) cmd=(step step_anatomy 150 "${T[@]}" $PY benchmarks/step_anatomy.py --device cuda --model gpt --steps 10
+                      --warmup 2 --out "$W/results") ;;
+        bench_gpt) cmd=(step bench_gpt 240 "${T[@]}" $PY benchmarks/bench.py --device cuda --models gpt --steps 10
+                        --warmup 2 --out "$W/results/bench_gpt") ;;
+        bench_llama) cmd=(step bench_llama 240 "${T[@]}" $PY benchmarks/bench.py --device cuda --models llama
+                          --steps 10 --warmup 2 --out "$W/results/bench_llama") ;;
+    esac
+    if (( PARALLEL_TIMED )); then "${cmd[@]}" & pids+=($!); else "${cmd[@]}"; fi
+    i=$(( i + 1 ))
+done
+(( ${#pids[@]} )) && wait "${pids[@]}"
 
 # fp8 against bf16 speed (torchao is not on the machine's image: dpcs's own fp8 linears only).
 wants precision && step precision_speed 120 "${G[@]}" $PY benchmarks/precision_speed.py --device cuda \

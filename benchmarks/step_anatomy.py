@@ -167,8 +167,9 @@ def main(argv: list[str] | None = None) -> int:
             if not s.ok:
                 raise RuntimeError(f"{s.name} failed: {s.result['error']}")
         bench.time_interleaved(runs, steps=args.steps, warmup=args.warmup, device=device)
-        for s in runs:
-            s.result["anatomy"] = anatomy(s.step, args.profile_steps, device)
+        with bench.device_to_itself():
+            for s in runs:
+                s.result["anatomy"] = anatomy(s.step, args.profile_steps, device)
     results = {}
     for s in runs:
         r = s.result

@@ -409,3 +409,37 @@ def test_pairwise_targets_say_when_a_miss_is_within_the_timing_noise(bench, caps
         r.pop("step_s_all")
     p = bench.targets("gpt", results)["per_upstream"]["compile"]
     assert p["time_ratio_interval"] is None and p["time_miss_within_noise"] is False
+
+
+def test_timed_rounds_wait_for_the_device_lock_another_process_holds(bench, monkeypatch, tmp_path):
+    """Benchmarks sharing a GPU time their steps in turn: the rounds start only once the lock (here held
+    through another open file, as another process's `flock` would) is released, and release it after."""
+    import fcntl
+    import threading
+    import time
+
+    lock = tmp_path / "device.lock"
+    monkeypatch.setenv(bench.DEVICE_LOCK_ENV, str(lock))
+    holder = open(lock, "a")
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    events = []
+
+    def release_later():
+        time.sleep(0.3)
+        events.append("released")
+        fcntl.flock(holder, fcntl.LOCK_UN)
+
+    base = bench.LossModule(torch.nn.Linear(4, 2), lambda out: out.square().mean())
+    s = bench.Strategy("eager", "upstream", lambda m: m)
+    bench.prepare(s, base, (torch.randn(3, 4),), device=torch.device("cpu"), warmup=1, sgd=False)
+    step = s.step
+    s.step = lambda: (events.append("step"), step())
+    thread = threading.Thread(target=release_later)
+    thread.start()
+    bench.time_interleaved([s], steps=2, warmup=1, device=torch.device("cpu"))
+    thread.join()
+    assert events == ["released", "step", "step", "step"] and len(s.result["step_s_all"]) == 2
+    fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released by the rounds: taken again without waiting
+    holder.close()
+    monkeypatch.delenv(bench.DEVICE_LOCK_ENV)
+    bench.time_interleaved([s], steps=1, warmup=1, device=torch.device("cpu"))  # no variable: no lock
