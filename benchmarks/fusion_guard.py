@@ -54,7 +54,8 @@ def producers_always_apart():
     """While compiling: the guard's producer/consumer rule on for every planned graph."""
     init = fusion_guard.PlannedFusionChoices.__init__
     fusion_guard.PlannedFusionChoices.__init__ = (
-        lambda self, keep_producers_apart=False, count_refusable=False: init(self, True, count_refusable))
+        lambda self, keep_producers_apart=False, count_refusable=False, refuse_horizontal=True:
+        init(self, True, count_refusable, refuse_horizontal))
     try:
         yield
     finally:

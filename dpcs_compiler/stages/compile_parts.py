@@ -23,7 +23,11 @@ from dpcs_compiler.passes.analysis.inductor_schedule import (
 from dpcs_compiler.passes.analysis.tensor_bytes import size_hints
 from dpcs_compiler.passes.infra import Rewrite, copy_graph_module
 from dpcs_compiler.passes.rewrite.backward_order import apply_order, sunk_order
-from dpcs_compiler.passes.rewrite.fusion_guard import planned_fusion_choices, scheduled_under_each_rule
+from dpcs_compiler.passes.rewrite.fusion_guard import (
+    planned_fusion_choices,
+    scheduled_guarded_if_over,
+    scheduled_under_each_rule,
+)
 from dpcs_compiler.passes.rewrite.overflow_check import OverflowCheck
 from dpcs_compiler.stages.job import GraphJob, has_symbolic_shapes
 from dpcs_compiler.stages.partition import JointPartitioner
@@ -44,7 +48,7 @@ class _Scheduled(Exception):
 
 
 @contextlib.contextmanager
-def lowering_as_planned(torchs: bool, producers_apart: bool = False) -> Iterator[Any]:
+def lowering_as_planned(torchs: bool, producers_apart: bool = False, guarded: bool = True) -> Iterator[Any]:
     """Inductor's settings for lowering a partitioned graph; yields the fusion guard (None for torch's plan).
 
     Inductor's buffer pool keeps a dead buffer allocated until a later one of the same size takes it over,
@@ -52,10 +56,11 @@ def lowering_as_planned(torchs: bool, producers_apart: bool = False) -> Iterator
     recomputed MLP inputs), so it is off for dpcs's plans; in-place reuse of dying inputs stays on, and on
     CUDA the caching allocator reuses freed memory anyway. Fusions that would raise the planned peak are
     refused (`planned_fusion_choices`; `producers_apart`: its producer/consumer rule too). Torch's own
-    partition (kept: it fits) is lowered as plain Inductor lowers it.
+    partition (kept: it fits) is lowered as plain Inductor lowers it. `guarded` False: no guard here (the
+    caller schedules with it only where Inductor's own fusions do not fit: `scheduled_guarded_if_over`).
     """
     with torch._inductor.config.patch(allow_buffer_reuse=torchs and torch._inductor.config.allow_buffer_reuse), \
-            (contextlib.nullcontext(None) if torchs else planned_fusion_choices(producers_apart)) as guard:
+            (contextlib.nullcontext(None) if torchs or not guarded else planned_fusion_choices(producers_apart)) as guard:
         yield guard
 
 
@@ -171,21 +176,30 @@ class PartCompiler:
         and `gate` is given each rule's scheduled increase above the start, {producers apart: bytes}: it returns
         the rule to go on with, or raises `_Scheduled` (possibly inside Inductor's `InductorError`), which ends
         the compile there. A graph whose schedule is not read (`probe.errors`) is compiled with Inductor's
-        fusions without asking it, and returned as it is (the caller, not asked, does not use it)."""
+        fusions without asking it, and returned as it is (the caller, not asked, does not use it).
+
+        Without `gate`, a plan that is not torch's is scheduled with Inductor's own fusions where they fit its
+        budget, with the fusion guard only where they do not (`scheduled_guarded_if_over`, `schedule_fits`)."""
         from torch._inductor.compile_fx import compile_fx_inner
 
-        with lowering_as_planned(self.job.plan.torch_plan, producers_apart) as guard, \
+        probing = kind in self.job.graph_inputs and probe_available()
+        guard_if_over = probing and gate is None and not self.job.plan.torch_plan
+        with lowering_as_planned(self.job.plan.torch_plan, producers_apart, guarded=not guard_if_over) as guard, \
                 contextlib.ExitStack() as stack:
             probe = None
-            if kind in self.job.graph_inputs and probe_available():
+            if probing:
                 resident, present = self.job.graph_inputs[kind]
                 # Checked as soon as Inductor has fused it: a plan over the budget is re-made before any code
                 # is generated for it.
                 probe = stack.enter_context(probe_scheduled_peak(
                     resident=resident, present=present, workspace=self.job.kernel_workspace,
-                    check=None if gate is not None else lambda peak: self.check_schedule(kind, peak),
+                    check=None if gate is not None or guard_if_over else lambda peak: self.check_schedule(kind, peak),
                 ))
-                if gate is not None:
+                if guard_if_over:
+                    used = stack.enter_context(scheduled_guarded_if_over(
+                        probe, lambda peak: self.schedule_fits(kind, peak), lambda peak: self.check_schedule(kind, peak),
+                        producers_apart))
+                elif gate is not None:
                     def choose(readings: dict[bool, tuple[ScheduledPeak, Any]]) -> bool:
                         apart = gate({rule: peak.increase_bytes for rule, (peak, _) in readings.items()})
                         probe.checked = readings[apart][0]
@@ -199,6 +213,8 @@ class PartCompiler:
             if probe is None or probe.checked is None:
                 return compiled  # not asked: a candidate the caller does not use (`_candidate`)
             guard = next(g for peak, g in rules.values() if peak is probe.checked)
+        elif guard_if_over:
+            guard = used[0] if used else None
         self.job.record.fusions_refused += guard.refused if guard is not None else 0
         if probe is None:
             # The partitioned graphs were held to the budget instead (`JointPartitioner`).
@@ -320,20 +336,39 @@ class PartCompiler:
         backward, what the scheduled forward left alive beyond the partitioned one.
         """
         job = self.job
+        excess, carried, counted = self._counted(kind, scheduled)
+        if kind == "forward":
+            job.carried_excess = carried
+        setattr(job.record, f"{kind}_schedule_excess_bytes", excess)
+        job.measured_excess[kind] = excess
+        job.hold_to_budget(counted, f"Inductor's schedule of its {kind} graph", final=kind == "backward")
+
+    def _counted(self, kind: str, scheduled: ScheduledPeak) -> tuple[int, int, dict[str, int]]:
+        """(this graph's excess over the model, what a forward leaves beyond it, each phase's excess counted
+        with this schedule): `check_schedule`'s figures, nothing changed."""
+        job = self.job
         excess = job.partition_excess[kind] + scheduled.increase_bytes - job.levels.increase(kind)
+        carried = job.carried_excess
         if kind == "forward":
             # What the forward leaves beyond the model (a value it keeps that the model frees) is alive
             # throughout the backward too.
-            job.carried_excess = scheduled.leaves_bytes - job.levels.forward_leaves
+            carried = scheduled.leaves_bytes - job.levels.forward_leaves
         else:
-            excess += job.carried_excess
-        setattr(job.record, f"{kind}_schedule_excess_bytes", excess)
-        job.measured_excess[kind] = excess
+            excess += carried
         # A phase not compiled yet counts what the planner assumed for it: for torch's own partition, what its
         # partitioned graphs hold beyond the model of its decisions (its prediction, `memory_plan._torch_solution`).
         assumed = job.partition_excess if job.plan.torch_plan else job.schedule_excess
         counted = {k: job.measured_excess.get(k, assumed[k]) for k in ("forward", "backward")}
-        job.hold_to_budget(counted, f"Inductor's schedule of its {kind} graph", final=kind == "backward")
+        counted[kind] = excess
+        return excess, carried, counted
+
+    def schedule_fits(self, kind: str, scheduled: ScheduledPeak) -> bool:
+        """Whether `scheduled` keeps the plan within its budget, as `check_schedule` would judge it (a forward
+        with what it leaves alive counted in the backward not compiled yet)."""
+        _, carried, counted = self._counted(kind, scheduled)
+        if kind == "forward" and "backward" not in self.job.measured_excess:
+            counted["backward"] += max(0, carried)
+        return self.job.fits_with(counted)
 
     def eager(self, kind: str) -> Callable:
         from torch._dynamo.backends.debugging import boxed_nop

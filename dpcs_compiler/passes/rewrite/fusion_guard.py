@@ -15,6 +15,10 @@ Fusions of neighbours are left alone. What is lost is the shared read of the com
 over them by a pointwise kernel); `PartCompiler.check_schedule` still holds the resulting schedule to the
 budget.
 
+A planned graph is scheduled with the guard only where Inductor's own fusions do not fit its budget
+(`scheduled_guarded_if_over`: both schedules from one lowering): where they fit, the guard buys nothing and
+costs a kernel per refused fusion.
+
 `keep_producers_apart` also refuses a producer/consumer fusion across allocations when a kernel in between
 reads the producer's outputs: fused, the producer runs after everything its consumer reads, and that reader
 after it, with the consumer's outputs alive (the recomputed SwiGLU product read by its weight gradient's
@@ -30,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -64,10 +69,15 @@ class PlannedFusionChoices(InductorChoices):
     """Inductor's default heuristics, less horizontal fusions across allocations and, with
     `keep_producers_apart`, producer/consumer fusions past a reader of the producer (see module docstring)."""
 
-    def __init__(self, keep_producers_apart: bool = False, count_refusable: bool = False) -> None:
+    def __init__(self, keep_producers_apart: bool = False, count_refusable: bool = False,
+                 refuse_horizontal: bool = True) -> None:
         super().__init__()
         self._allocations: dict[int, list[int]] = {}  # id(scheduler) -> bytes allocated per pre-fusion order
         self.keep_producers_apart = keep_producers_apart
+        # False: Inductor's own fusions throughout, the horizontal ones the guard would refuse counted
+        # (`would_refuse_horizontal`; `scheduled_guarded_if_over`).
+        self.refuse_horizontal = refuse_horizontal
+        self.would_refuse_horizontal = 0
         self.refused = 0
         self.refused_vertical = 0
         # Without `keep_producers_apart`, with `count_refusable`: the producer/consumer fusions the rule would
@@ -93,6 +103,9 @@ class PlannedFusionChoices(InductorChoices):
         if late.min_order <= early.max_order + 1:
             return True  # neighbours, or interleaved groups: nothing between them
         if self._across_allocations(scheduler, early, late):
+            if not self.refuse_horizontal:
+                self.would_refuse_horizontal += 1
+                return True
             self.refused += 1
             return False
         return True
@@ -211,6 +224,80 @@ def scheduled_under_each_rule(probe, choose: Callable[[dict[bool, tuple]], bool]
     GraphLowering._update_scheduler = update_scheduler
     try:
         yield readings
+    finally:
+        GraphLowering._update_scheduler = original
+        handlers.close()
+
+
+@contextlib.contextmanager
+def scheduled_guarded_if_over(probe, fits: Callable[[Any], bool], check: Callable[[Any], None],
+                              keep_producers_apart: bool = False) -> Iterator[list]:
+    """Within the block, the first graph Inductor generates code for is scheduled with Inductor's own fusions,
+    and with the fusion guard (`PlannedFusionChoices`) only if those hold more than the budget allows.
+
+    The guard keeps a fused kernel from making its outputs early, at the price of one more kernel per fusion
+    refused: on a GPU step bound by the host that is launch time (measured on an H200: the bench GPT's plan at
+    torch.compile's own peak ran 203 kernels guarded, 194 unguarded, against torch's 195; `benchmarks/
+    lowering_cost.py`), and on any device a second pass over the shared inputs. Where Inductor's fusions fit
+    anyway, the guard buys nothing. So the graph is scheduled first with Inductor's fusions, counting those
+    the guard would refuse; `fits` is given the probe's reading of that schedule. If it fits, or the guard
+    would refuse nothing (it would schedule the same), that schedule generates the code. Otherwise the graph
+    is scheduled again from the same lowering with the guard (`_one_lowering_schedules_alike`; where a
+    second scheduler could not see the same IR, the guard schedules it from the start), which also schedules
+    its subgraphs. `check` is called on the reading chosen (it may raise, ending the compile there); the
+    other reading is taken off `probe.peaks`. A schedule the probe cannot read is left to the guard, as before.
+
+    Yields a list that holds, once the graph is scheduled, the `PlannedFusionChoices` that scheduled it (its
+    `refused` counts what it refused: none for Inductor's own fusions).
+    """
+    from torch._inductor import ir
+    from torch._inductor.graph import GraphLowering
+
+    original = GraphLowering._update_scheduler
+    used: list[PlannedFusionChoices] = []
+    first = [True]
+    handlers = contextlib.ExitStack()
+
+    def schedule(graph, choices: PlannedFusionChoices):
+        """The probe's reading of `graph` scheduled under `choices` (None if it could not read it)."""
+        before, errors = len(probe.peaks), len(probe.errors)
+        with V.set_choices_handler(choices):
+            original(graph)
+        if len(probe.peaks) != before + 1 or len(probe.errors) != errors:
+            return None
+        return probe.peaks[before]
+
+    def update_scheduler(graph) -> None:
+        if not first[0]:
+            return original(graph)
+        first[0] = False
+        alike = _one_lowering_schedules_alike() and not any(
+            isinstance(op, ir.UserDefinedTritonKernel) for op in graph.operations)
+        guard = PlannedFusionChoices(keep_producers_apart)
+        if alike:
+            own = PlannedFusionChoices(keep_producers_apart, refuse_horizontal=False)
+            reading = schedule(graph, own)
+            if reading is not None and (own.would_refuse_horizontal == 0 or fits(reading)):
+                used.append(own)
+                handlers.enter_context(V.set_choices_handler(own))  # for the subgraphs
+                probe.checked = reading
+                check(reading)
+                return None
+            if reading is not None:
+                probe.peaks[:] = [p for p in probe.peaks if p is not reading]
+            else:
+                log.info("Inductor's own fusions could not be read; scheduling with the fusion guard")
+        used.append(guard)
+        handlers.enter_context(V.set_choices_handler(guard))
+        reading = schedule(graph, guard)
+        if reading is not None:
+            probe.checked = reading
+            check(reading)
+        return None
+
+    GraphLowering._update_scheduler = update_scheduler
+    try:
+        yield used
     finally:
         GraphLowering._update_scheduler = original
         handlers.close()

@@ -217,3 +217,85 @@ def test_a_rule_not_scheduled_is_refused_by_name():
     with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True), probe_scheduled_peak() as probe, \
             scheduled_under_each_rule(probe, lambda readings: "apart"), pytest.raises(Exception, match="'apart'"):
         torch.compile(producer_read_early, backend="inductor", dynamic=False)(*inputs)
+
+
+def guarded_if_over(monkeypatch, fn, inputs, fits, **config):
+    """`fn` compiled with Inductor under `scheduled_guarded_if_over` (`fits` answering): its outputs, code,
+    measured peak, the probe's readings, the readings `fits` and `check` were given, the choices used and the
+    lowerings and schedulings made."""
+    from torch._inductor.graph import GraphLowering
+
+    from dpcs_compiler.passes.analysis.inductor_schedule import probe_scheduled_peak
+    from dpcs_compiler.passes.rewrite.fusion_guard import scheduled_guarded_if_over
+
+    counts = {"lowerings": 0, "schedulings": 0}
+    run, update = GraphLowering.run, GraphLowering._update_scheduler
+
+    def counted_run(self, *args):
+        counts["lowerings"] += 1
+        return run(self, *args)
+
+    def counted_update(self):
+        counts["schedulings"] += 1
+        return update(self)
+
+    monkeypatch.setattr(GraphLowering, "run", counted_run)
+    monkeypatch.setattr(GraphLowering, "_update_scheduler", counted_update)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="inductor", dynamic=False)
+    asked, checked = [], []
+    with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True, **config), \
+            probe_scheduled_peak() as probe, \
+            scheduled_guarded_if_over(probe, lambda peak: asked.append(peak) or fits, checked.append) as used:
+        outputs, (code,) = run_and_get_code(compiled, *inputs)
+    with torch.no_grad():
+        _, peak = measure_peak_memory(compiled, *inputs)
+    monkeypatch.setattr(GraphLowering, "run", run)
+    monkeypatch.setattr(GraphLowering, "_update_scheduler", update)
+    torch.testing.assert_close(outputs, fn(*inputs), **TOLERANCE)
+    return code, peak.peak_increase_bytes, list(probe.peaks), asked, checked, used, counts
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("fits", [True, False], ids=["inductors_fusions_fit", "over_the_budget"])
+def test_the_guard_schedules_only_where_inductors_fusions_do_not_fit(monkeypatch, fits):
+    """One lowering: Inductor's own fusions are scheduled first (the fusion the guard would refuse counted); where
+    they fit they generate the code (one kernel, the higher peak, nothing refused), else the guard's schedule of
+    the same lowering does (two kernels, one buffer lower). `check` sees only the reading that generates code."""
+    inputs = [torch.randn(N, N) for _ in range(4)]
+    code, peak, readings, asked, checked, used, counts = guarded_if_over(monkeypatch, silu_backward_like, inputs, fits)
+    assert counts["lowerings"] == 1 and counts["schedulings"] == (1 if fits else 2), counts
+    assert len(asked) == 1 and len(used) == 1 and readings == checked and len(checked) == 1, (asked, readings, checked)
+    if fits:
+        assert checked[0] is asked[0] and used[0].refused == 0 and used[0].would_refuse_horizontal >= 1
+        FileCheck().check("sigmoid_silu").check("extern_kernels.mm").check("extern_kernels.mm").run(code)
+    else:
+        assert checked[0] is not asked[0] and used[0].refused >= 1
+        assert asked[0].increase_bytes - checked[0].increase_bytes == pytest.approx(BUFFER, abs=4096)
+        FileCheck().check("cpp_fused_mul_silu").check("extern_kernels.mm").check("cpp_fused").check("sigmoid").check(
+            "extern_kernels.mm").run(code)
+    _, _, guarded_code, guarded_peak, _ = compile_and_measure(guarded=True)
+    _, _, plain_code, plain_peak, _ = compile_and_measure(guarded=False)
+    assert peak == (plain_peak if fits else guarded_peak), (peak, plain_peak, guarded_peak)
+
+
+@pytest.mark.inductor
+def test_a_graph_the_guard_changes_nothing_in_is_scheduled_once_without_asking(monkeypatch):
+    def neighbours(a, b):
+        return (a.sin() * b).sum(dim=0), (a.cos() + b).sum(dim=0)
+
+    inputs = [torch.randn(N, N) for _ in range(2)]
+    _, _, readings, asked, checked, used, counts = guarded_if_over(monkeypatch, neighbours, inputs, fits=False)
+    assert counts == {"lowerings": 1, "schedulings": 1} and asked == [] and readings == checked and len(checked) == 1
+    assert used[0].would_refuse_horizontal == 0 and used[0].refused == 0
+
+
+@pytest.mark.inductor
+def test_under_max_autotune_the_guard_schedules_from_the_start(monkeypatch):
+    """Max-autotune rewrites the lowered graph while it schedules it: no second scheduler can be made from it, so
+    the guard schedules it, as it did before this rule."""
+    inputs = [torch.randn(N, N) for _ in range(4)]
+    _, _, readings, asked, checked, used, counts = guarded_if_over(
+        monkeypatch, silu_backward_like, inputs, fits=True, max_autotune_gemm=True, max_autotune_gemm_backends="ATEN")
+    assert counts["schedulings"] == 1 and asked == [] and readings == checked and len(checked) == 1
+    assert used[0].refused >= 1
