@@ -23,6 +23,19 @@ def planning_target(budget_bytes: int) -> int:
     return budget_bytes - int(budget_bytes * WORKSPACE_FRACTION)
 
 
+# What a measured step may hold beyond its prediction and still count as predicted (measurement noise, and
+# errors too small to plan again for): the larger of these (`measurement_tolerance`). The step recorder plans
+# again only for more (`runtime/step.py`); a plan that drops the fusion guard keeps this much to spare
+# (`stages/compile_parts.PartCompiler.schedule_fits`).
+CORRECTION_MIN_BYTES = 64 * 1024
+CORRECTION_MIN_FRACTION = 0.002
+
+
+def measurement_tolerance(bytes_: int) -> int:
+    """The excess over a prediction of `bytes_` that counts as noise: max(64 KiB, 0.2%)."""
+    return max(CORRECTION_MIN_BYTES, int(CORRECTION_MIN_FRACTION * bytes_))
+
+
 # Bytes the planner counts at every step for what the runtime allocates around a compiled step (autograd's
 # scalars; measured 16 B on CPU): `passes.analysis.planning.RUNTIME_ALLOWANCE_BYTES` is this value.
 RUNTIME_ALLOWANCE_BYTES = 256

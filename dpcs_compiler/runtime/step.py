@@ -75,7 +75,7 @@ from dpcs_compiler.passes.analysis.planning import Freeable, StepSharing
 from dpcs_compiler.measure import BEFORE_PROFILING, CpuMemoryProfile, optimizer_state_bytes
 from dpcs_compiler.files import write_text_atomic
 from dpcs_compiler.report import _ON_CLEAR, STEPS_FILE, StepRecord, add_step_record, compile_records, compiles_raised
-from dpcs_compiler.cost.budget import torch_plan_limit
+from dpcs_compiler.cost.budget import CORRECTION_MIN_BYTES, CORRECTION_MIN_FRACTION, torch_plan_limit
 from dpcs_compiler.cost.memory_model import MemoryProblem, plan_seconds
 from dpcs_compiler.cost.model_state import (
     StateLever,
@@ -117,9 +117,8 @@ def _solve(problem: MemoryProblem, target: int) -> tuple[tuple[str, ...], bool]:
 
 FSDP_BLOCKS_IN_FLIGHT = 3  # FSDP2 backward: blocks' worth of gathers and reduce-scatters beside the one running
 STABLE_STEPS = 2
-# A measured planned step more than this above its prediction is planned again with the excess counted.
-CORRECTION_MIN_BYTES = 64 * 1024
-CORRECTION_MIN_FRACTION = 0.002
+# A measured planned step more than `cost.budget.measurement_tolerance` above its prediction is planned again
+# with the excess counted.
 MAX_CORRECTIONS = 2  # complete steps of known shapes after which the recorder stops watching
 MAX_TRANSIENT_UPDATES = 4  # times an optimizer step's measured temporaries re-plan a step shape
 MAX_PENDING_CALLS = 100_000  # forward calls without their backwards after which a recording is dropped

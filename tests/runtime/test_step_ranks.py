@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from dpcs_testing import run_rank_processes
-from dpcs_compiler.runtime.step import CORRECTION_MIN_BYTES, CORRECTION_MIN_FRACTION
+from dpcs_compiler.cost.budget import CORRECTION_MIN_BYTES, CORRECTION_MIN_FRACTION
 from step_scenarios import LayerNormStack, global_batch
 
 WORKER = Path(__file__).resolve().parent / "step_rank_worker.py"

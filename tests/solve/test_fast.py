@@ -258,3 +258,24 @@ def test_free_offloads_are_saved_as_one_plan_memory_per_offload_would_save_them(
         assert solution.decisions == tuple(expected)
         assert solution.peak_bytes == plan_memory(problem, expected).peak_bytes <= limit
     assert solution.decisions.count(OFFLOAD) < start.count(OFFLOAD)  # it did save some
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_budget_under_the_bound_no_plan_goes_below_is_searched_as_zero(seed, monkeypatch):
+    """Between the base bytes and `floor_bytes`' bound no budget can be met: the solver searches it as 0 (the
+    lowest plan, what it gives for every such budget), not first at its own value and then at 0."""
+    from dpcs_compiler.solve import fast
+
+    problem = random_problem(seed, steps=300, candidates=40, can_offload=seed % 2 == 0)
+    base, bound = int(problem.base_bytes.max()), int(floor_bytes(problem).max())
+    assert base < bound, (base, bound)
+    budget = (base + bound) // 2
+    lowest = solve_fast(problem, 0)
+    searched = []
+    real = fast._price_search
+    monkeypatch.setattr(fast, "_price_search", lambda tl, target, *a: (searched.append(target), real(tl, target, *a))[1])
+    monkeypatch.setattr(fast, "_lowest_of_all", lambda *a: pytest.fail("searched again at 0"))
+    solution = solve_fast(problem, budget)
+    assert searched == [0]
+    assert solution.decisions == lowest.decisions and solution.peak_bytes == lowest.peak_bytes > budget
+    assert not solution.feasible and solution.budget_bytes == budget
