@@ -10,11 +10,12 @@ from dpcs_testing import load_benchmark
 
 
 @pytest.mark.inductor
-def test_each_lowering_compiles_its_own_graphs_and_the_guard_stays_where_the_budget_has_no_room_to_spare(tmp_path):
+def test_each_lowering_compiles_its_own_graphs_and_the_guard_stays_where_the_budget_has_no_room_to_spare(tmp_path, monkeypatch):
     """At 0.72 of compile's peak the tiny GPT's plan has less room to spare than the measurement tolerance (run
     alone, its unguarded schedule was predicted within the budget by 1.8 KB and measured 6 KB over it: the step
     holds a few KB the model does not count). dpcs's own lowering keeps the guard there, as the guard on every
     graph does, and stays within the budget."""
+    monkeypatch.setenv("DPCS_HARDWARE_PROFILE", "reference-cpu")  # the plans asserted on: not this CPU's speeds
     module = load_benchmark("lowering_cost")
     assert module.main(["--quick", "--models", "gpt", "--fractions", "0.72", "--steps", "1", "--warmup", "1",
                         "--out", str(tmp_path)]) == 0
