@@ -63,9 +63,13 @@ def lowered(name: str) -> Iterator[None]:
                 torch._inductor.config.patch(allow_buffer_reuse=reused or torchs and torch._inductor.config.allow_buffer_reuse):
             yield g
 
-    def rule(probe, fits, check, keep_producers_apart=False):
-        answer = {"always": lambda peak: False, "never": lambda peak: True, "if_over": fits}[guard]
-        return real_rule(probe, answer, check, keep_producers_apart)
+    def rule(probe, fits, check, keep_producers_apart=False, *, lower, may_improve):
+        if guard == "if_over":
+            return real_rule(probe, fits, check, keep_producers_apart, lower=lower, may_improve=may_improve)
+        # "always": Inductor's fusions never fit, the guard's schedule is always taken; "never": they always fit.
+        always = guard == "always"
+        return real_rule(probe, lambda peak: not always, check, keep_producers_apart,
+                         lower=lambda peak, than: always, may_improve=lambda peak: always)
 
     compile_parts.lowering_as_planned, compile_parts.scheduled_guarded_if_over = lowering, rule
     try:

@@ -19,11 +19,11 @@ class CompileRecord:
     backward_nodes: int = 0
     backward_order: str = "autograd"  # the backward's node order compiled: autograd's, or a sunk one (`backward_order`)
     # Under Inductor, the lowest plan: each candidate's scheduled backward peak above its start ({"autograd": B,
-    # "sunk": B, "autograd, producers apart": B, ...}), the lowest compiled (`PartCompiler.lowest_scheduled_backward`);
-    # None: not scheduled as candidates.
+    # "sunk": B, "autograd, producers apart": B, ...}), the lowest compiled (the guard's rule only where
+    # it is lower than Inductor's fusions by more than the measurement tolerance) (`PartCompiler.lowest_scheduled_backward`); None: not scheduled as candidates.
     backward_order_scheduled: dict[str, int | None] | None = None
     # The producer/consumer fusions of the backward compiled: Inductor's, or "producers apart" (the fusion
-    # guard's rule, when Inductor's schedule of it is lower: `PartCompiler.lowest_scheduled_backward`).
+    # guard's rule, when Inductor's schedule of it is measurably lower: `PartCompiler.lowest_scheduled_backward`).
     backward_fusion: str = "inductor"
     saved_values: int = 0
     saved_bytes: int = 0

@@ -254,7 +254,7 @@ def backward_lowerings(monkeypatch):
 def lowerings_expected(record) -> int:
     """The backward lowerings a plan over its budget costs (`PartCompiler.lowest_scheduled_backward`): one per
     order scheduled (both fusion rules are scheduled from one lowering), and one more for the compile unless
-    the last order scheduled was the lowest, compiled as it was."""
+    the last order scheduled was the preferred, compiled as it was."""
     orders = list(dict.fromkeys(name.split(",")[0] for name in record.backward_order_scheduled))
     return len(orders) + (orders[-1] != record.backward_order)
 

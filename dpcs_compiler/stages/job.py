@@ -344,12 +344,16 @@ class GraphJob:
             raise BudgetInfeasibleError(f"{message}; raise the budget, or pass on_infeasible='best' to compile it")
         warnings.warn(f"{message}; compiling it (on_infeasible='best')", stacklevel=2)
 
-    def fits_with(self, excess: dict[str, int], spare: int = 0) -> bool:
-        """Whether the plan, with `excess` (bytes per phase beyond the plan model, as `hold_to_budget` takes
-        it) held in its graphs, stays `spare` bytes within the limit `hold_to_budget` holds it to. Nothing is
-        changed."""
+    def peak_with(self, excess: dict[str, int]) -> int:
+        """The plan's peak in its step with `excess` (bytes per phase beyond the plan model, as `hold_to_budget`
+        takes it) held in its graphs, as `hold_to_budget` judges it. Nothing is changed."""
         problem = self.problem.with_schedule_excess(excess["forward"], excess["backward"])
-        return plan_memory(self.in_step(problem, capped=True), self.plan.decisions).peak_bytes + spare <= self.limit
+        return plan_memory(self.in_step(problem, capped=True), self.plan.decisions).peak_bytes
+
+    def fits_with(self, excess: dict[str, int], spare: int = 0) -> bool:
+        """Whether the plan, with `excess` held in its graphs (`peak_with`), stays `spare` bytes within the
+        limit `hold_to_budget` holds it to. Nothing is changed."""
+        return self.peak_with(excess) + spare <= self.limit
 
     def in_step(self, problem: MemoryProblem, *, capped: bool, decisions: Sequence[str] | None = None) -> MemoryProblem:
         """`problem` inside its training step (`options.step_context`): the other graphs' bytes added, and with

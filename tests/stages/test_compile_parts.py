@@ -8,7 +8,7 @@ import torch._inductor.compile_fx as compile_fx
 
 from dpcs_testing import assert_gradients_match_eager, backward_lowerings, measured_step
 from dpcs_compiler.models import workload
-from dpcs_compiler.stages.compile_parts import without_unused_repro_copy
+from dpcs_compiler.stages.compile_parts import _preferred, without_unused_repro_copy
 
 
 def test_the_minifiers_copy_is_skipped_only_where_it_would_not_be_read():
@@ -49,3 +49,16 @@ def test_planned_inductor_compiles_skip_the_minifiers_copy_and_match_eager(monke
     assert len(calls) == lowerings[0] + 1, (calls, lowerings)  # every backward lowered, and the forward
 
     assert_gradients_match_eager(w, compiler="inductor", memory_budget=1, on_infeasible="best")
+
+
+def test_the_backward_compiled_is_the_lowest_the_guards_rule_only_if_measurably_lower():
+    """Candidates in order of precedence: the lowest is compiled, except that the guard's rule (producers apart)
+    must be lower than every candidate with Inductor's fusions by more than the tolerance; ties go to
+    Inductor's fusions, then to the first."""
+    peaks = {("autograd", False): 1_000_000, ("autograd", True): 996_000, ("sunk", False): 998_500, ("sunk", True): 990_000}
+    assert _preferred(peaks, 0) == ("sunk", True)
+    assert _preferred(peaks, 8_000) == ("sunk", True)  # 8,500 B below Inductor's lowest: more than the tolerance
+    assert _preferred(peaks, 8_500) == ("sunk", False)  # exactly the tolerance below: a tie, Inductor's fusions
+    assert _preferred(peaks, 20_000) == ("sunk", False)  # an order lower by any amount is taken
+    assert _preferred({("autograd", False): 5, ("sunk", False): 5}, 0) == ("autograd", False)  # a tie: the first
+    assert _preferred({("autograd", False): 5, ("autograd", True): 5}, 0) == ("autograd", False)

@@ -231,21 +231,27 @@ def scheduled_under_each_rule(probe, choose: Callable[[dict[bool, tuple]], bool]
 
 @contextlib.contextmanager
 def scheduled_guarded_if_over(probe, fits: Callable[[Any], bool], check: Callable[[Any], None],
-                              keep_producers_apart: bool = False) -> Iterator[list]:
+                              keep_producers_apart: bool = False, *, lower: Callable[[Any, Any], bool],
+                              may_improve: Callable[[Any], bool]) -> Iterator[list]:
     """Within the block, the first graph Inductor generates code for is scheduled with Inductor's own fusions,
-    and with the fusion guard (`PlannedFusionChoices`) only if those hold more than the budget allows.
+    and with the fusion guard (`PlannedFusionChoices`) only if those hold more than the budget allows and the
+    guard's schedule holds measurably less.
 
     The guard keeps a fused kernel from making its outputs early, at the price of one more kernel per fusion
     refused: on a GPU step bound by the host that is launch time (measured on an H200: the bench GPT's plan at
     torch.compile's own peak ran 203 kernels guarded, 194 unguarded, against torch's 195; `benchmarks/
-    lowering_cost.py`), and on any device a second pass over the shared inputs. Where Inductor's fusions fit
-    anyway, the guard buys nothing. So the graph is scheduled first with Inductor's fusions, counting those
-    the guard would refuse; `fits` is given the probe's reading of that schedule. If it fits, or the guard
-    would refuse nothing (it would schedule the same), that schedule generates the code. Otherwise the graph
-    is scheduled again from the same lowering with the guard (`_one_lowering_schedules_alike`; where a
-    second scheduler could not see the same IR, the guard schedules it from the start), which also schedules
-    its subgraphs. `check` is called on the reading chosen (it may raise, ending the compile there); the
-    other reading is taken off `probe.peaks`. A schedule the probe cannot read is left to the guard, as before.
+    lowering_cost.py`), on any device a second pass over the shared inputs, and on CPU more C++ to compile.
+    Where Inductor's fusions fit anyway, the guard buys nothing. So the graph is scheduled first with
+    Inductor's fusions, counting those the guard would refuse; `fits` is given the probe's reading of that
+    schedule. If it fits, or the guard would refuse nothing (it would schedule the same), or no schedule could
+    fit or hold measurably less (`may_improve` given that reading says no: a forward whose transient peak is
+    not the step's), that schedule generates the code. Otherwise the graph is scheduled again from the same lowering with the guard
+    (`_one_lowering_schedules_alike`; where a second scheduler could not see the same IR, the guard schedules
+    it from the start), which generates the code if its reading fits or `lower(guard's reading, Inductor's
+    reading)` says it holds measurably less; else (neither fits, and the guard's peak is no lower than a
+    measurement could tell) Inductor's fusions do. The rule chosen also schedules the subgraphs. `check` is
+    called on the reading chosen (it may raise, ending the compile there); the other reading is taken off
+    `probe.peaks`. A schedule the probe cannot read is left to the guard, as before.
 
     Yields a list that holds, once the graph is scheduled, the `PlannedFusionChoices` that scheduled it (its
     `refused` counts what it refused: none for Inductor's own fusions).
@@ -267,33 +273,38 @@ def scheduled_guarded_if_over(probe, fits: Callable[[Any], bool], check: Callabl
             return None
         return probe.peaks[before]
 
+    def use(choices: PlannedFusionChoices, reading, dropped=None) -> None:
+        """`choices`' schedule generates the code (and schedules the subgraphs); `dropped`, the other reading, is
+        taken off the probe's."""
+        if dropped is not None:
+            probe.peaks[:] = [p for p in probe.peaks if p is not dropped]
+        used.append(choices)
+        handlers.enter_context(V.set_choices_handler(choices))  # for the subgraphs
+        if reading is not None:
+            probe.checked = reading
+            check(reading)
+
     def update_scheduler(graph) -> None:
         if not first[0]:
             return original(graph)
         first[0] = False
         alike = _one_lowering_schedules_alike() and not any(
             isinstance(op, ir.UserDefinedTritonKernel) for op in graph.operations)
-        guard = PlannedFusionChoices(keep_producers_apart)
+        guard, own, own_reading = PlannedFusionChoices(keep_producers_apart), None, None
         if alike:
             own = PlannedFusionChoices(keep_producers_apart, refuse_horizontal=False)
-            reading = schedule(graph, own)
-            if reading is not None and (own.would_refuse_horizontal == 0 or fits(reading)):
-                used.append(own)
-                handlers.enter_context(V.set_choices_handler(own))  # for the subgraphs
-                probe.checked = reading
-                check(reading)
-                return None
-            if reading is not None:
-                probe.peaks[:] = [p for p in probe.peaks if p is not reading]
-            else:
+            own_reading = schedule(graph, own)
+            if own_reading is not None and (own.would_refuse_horizontal == 0 or fits(own_reading)
+                                            or not may_improve(own_reading)):
+                return use(own, own_reading)
+            if own_reading is None:
                 log.info("Inductor's own fusions could not be read; scheduling with the fusion guard")
-        used.append(guard)
-        handlers.enter_context(V.set_choices_handler(guard))
+        own_scheduler = graph.scheduler
         reading = schedule(graph, guard)
-        if reading is not None:
-            probe.checked = reading
-            check(reading)
-        return None
+        if own_reading is not None and reading is not None and not fits(reading) and not lower(reading, own_reading):
+            graph.scheduler = own_scheduler  # V.graph is `graph`: the scheduler code generation reads
+            return use(own, own_reading, dropped=reading)
+        return use(guard, reading, dropped=own_reading)
 
     GraphLowering._update_scheduler = update_scheduler
     try:

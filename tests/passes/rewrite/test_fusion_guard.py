@@ -219,10 +219,10 @@ def test_a_rule_not_scheduled_is_refused_by_name():
         torch.compile(producer_read_early, backend="inductor", dynamic=False)(*inputs)
 
 
-def guarded_if_over(monkeypatch, fn, inputs, fits, **config):
-    """`fn` compiled with Inductor under `scheduled_guarded_if_over` (`fits` answering): its outputs, code,
-    measured peak, the probe's readings, the readings `fits` and `check` were given, the choices used and the
-    lowerings and schedulings made."""
+def guarded_if_over(monkeypatch, fn, inputs, fits, lower=True, may_improve=True, **config):
+    """`fn` compiled with Inductor under `scheduled_guarded_if_over` (`fits`, `lower` and `may_improve`
+    answering): its outputs, code, measured peak, the probe's readings, the readings `fits` and `check` were
+    given, the choices used and the lowerings and schedulings made."""
     from torch._inductor.graph import GraphLowering
 
     from dpcs_compiler.passes.analysis.inductor_schedule import probe_scheduled_peak
@@ -246,7 +246,8 @@ def guarded_if_over(monkeypatch, fn, inputs, fits, **config):
     asked, checked = [], []
     with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True, **config), \
             probe_scheduled_peak() as probe, \
-            scheduled_guarded_if_over(probe, lambda peak: asked.append(peak) or fits, checked.append) as used:
+            scheduled_guarded_if_over(probe, lambda peak: asked.append(peak) or fits, checked.append,
+                                      lower=lambda peak, than: lower, may_improve=lambda peak: may_improve) as used:
         outputs, (code,) = run_and_get_code(compiled, *inputs)
     with torch.no_grad():
         _, peak = measure_peak_memory(compiled, *inputs)
@@ -265,7 +266,8 @@ def test_the_guard_schedules_only_where_inductors_fusions_do_not_fit(monkeypatch
     inputs = [torch.randn(N, N) for _ in range(4)]
     code, peak, readings, asked, checked, used, counts = guarded_if_over(monkeypatch, silu_backward_like, inputs, fits)
     assert counts["lowerings"] == 1 and counts["schedulings"] == (1 if fits else 2), counts
-    assert len(asked) == 1 and len(used) == 1 and readings == checked and len(checked) == 1, (asked, readings, checked)
+    assert len(asked) == (1 if fits else 2) and len(used) == 1 and readings == checked and len(checked) == 1, (
+        asked, readings, checked)
     if fits:
         assert checked[0] is asked[0] and used[0].refused == 0 and used[0].would_refuse_horizontal >= 1
         FileCheck().check("sigmoid_silu").check("extern_kernels.mm").check("extern_kernels.mm").run(code)
@@ -277,6 +279,36 @@ def test_the_guard_schedules_only_where_inductors_fusions_do_not_fit(monkeypatch
     _, _, guarded_code, guarded_peak, _ = compile_and_measure(guarded=True)
     _, _, plain_code, plain_peak, _ = compile_and_measure(guarded=False)
     assert peak == (plain_peak if fits else guarded_peak), (peak, plain_peak, guarded_peak)
+
+
+@pytest.mark.inductor
+def test_where_neither_fits_and_the_guard_is_not_measurably_lower_inductors_fusions_generate_the_code(monkeypatch):
+    """Both schedules over the budget, the guard's not lower by more than a measurement tells (`lower` says no):
+    the guard's kernels buy nothing, and Inductor's fusions, scheduled first from the same lowering, generate
+    the code (one kernel, Inductor's own peak, nothing refused); `check` sees their reading, the only one left."""
+    inputs = [torch.randn(N, N) for _ in range(4)]
+    code, peak, readings, asked, checked, used, counts = guarded_if_over(
+        monkeypatch, silu_backward_like, inputs, fits=False, lower=False)
+    assert counts == {"lowerings": 1, "schedulings": 2}, counts
+    assert len(asked) == 2 and readings == checked == [asked[0]], (asked, readings, checked)
+    assert asked[0].increase_bytes - asked[1].increase_bytes == pytest.approx(BUFFER, abs=4096)
+    assert len(used) == 1 and used[0].refused == 0 and used[0].would_refuse_horizontal >= 1
+    FileCheck().check("sigmoid_silu").check("extern_kernels.mm").check("extern_kernels.mm").run(code)
+    _, _, _, plain_peak, _ = compile_and_measure(guarded=False)
+    assert peak == plain_peak, (peak, plain_peak)
+
+
+@pytest.mark.inductor
+def test_where_no_schedule_could_do_better_the_guard_is_not_scheduled(monkeypatch):
+    """Over the budget, but no schedule of the graph could fit or lower the step's peak measurably (`may_improve`
+    says no: the graph's own peak is not the step's): Inductor's fusions generate the code, scheduled once."""
+    inputs = [torch.randn(N, N) for _ in range(4)]
+    code, _, readings, asked, checked, used, counts = guarded_if_over(
+        monkeypatch, silu_backward_like, inputs, fits=False, may_improve=False)
+    assert counts == {"lowerings": 1, "schedulings": 1}, counts
+    assert readings == checked == asked and len(checked) == 1, (asked, readings, checked)
+    assert len(used) == 1 and used[0].refused == 0 and used[0].would_refuse_horizontal >= 1
+    FileCheck().check("sigmoid_silu").check("extern_kernels.mm").check("extern_kernels.mm").run(code)
 
 
 @pytest.mark.inductor
