@@ -158,9 +158,58 @@ def _one_lowering_schedules_alike() -> bool:
     Not under max-autotune (the first scheduler's `finalize_multi_template_buffers` rewrites the lowered
     operations and buffers in place; `benchmark_epilogue_fusion`, on by default, acts only on its templates)
     or fusion benchmarking (fusion generates code); a graph with user-defined Triton kernels is checked where
-    it is scheduled (`scheduled_under_each_rule`)."""
+    it is scheduled (`_schedules_alike`)."""
     config = torch._inductor.config
     return not (config.max_autotune or config.max_autotune_gemm or config.benchmark_fusion)
+
+
+def _schedules_alike(graph) -> bool:
+    """Whether a second scheduler made from `graph`'s lowering sees the IR the first saw
+    (`_one_lowering_schedules_alike`, and no user-defined Triton kernel, whose epilogue fusion removes buffers
+    by the rule)."""
+    from torch._inductor import ir
+
+    return _one_lowering_schedules_alike() and not any(
+        isinstance(op, ir.UserDefinedTritonKernel) for op in graph.operations)
+
+
+def _reading(probe, schedule: Callable[[Any], None], graph, choices: PlannedFusionChoices):
+    """`graph` scheduled by `schedule` under `choices`, and the probe's reading of it (None if it could not
+    read it: its error, if any, left on `probe.errors`)."""
+    before, errors = len(probe.peaks), len(probe.errors)
+    with V.set_choices_handler(choices):
+        schedule(graph)
+    if len(probe.peaks) != before + 1 or len(probe.errors) != errors:
+        return None
+    return probe.peaks[before]
+
+
+@contextlib.contextmanager
+def _first_graph_scheduled_by(schedule_first: Callable[[Callable[[Any], None], Any, contextlib.ExitStack], None]
+                              ) -> Iterator[None]:
+    """Within the block, the scheduler of the first graph Inductor generates code for (the graph
+    compile_fx_inner was given; subgraphs are scheduled while it generates code) is made by
+    `schedule_first(schedule, graph, handlers)`: `schedule(graph)` (re)makes it as Inductor does, under the
+    choices handler in force, from the one lowering; `handlers` holds what is entered on it (the choices
+    handler for the subgraphs) until the block ends. Later graphs are scheduled as Inductor does."""
+    from torch._inductor.graph import GraphLowering
+
+    original = GraphLowering._update_scheduler
+    first = [True]
+    handlers = contextlib.ExitStack()
+
+    def update_scheduler(graph) -> None:
+        if not first[0]:
+            return original(graph)
+        first[0] = False
+        return schedule_first(original, graph, handlers)
+
+    GraphLowering._update_scheduler = update_scheduler
+    try:
+        yield
+    finally:
+        GraphLowering._update_scheduler = original
+        handlers.close()
 
 
 @contextlib.contextmanager
@@ -181,35 +230,24 @@ def scheduled_under_each_rule(probe, choose: Callable[[dict[bool, tuple]], bool]
     probe could not make (`probe.errors`) of Inductor's fusions leaves them and does not ask `choose`; one of
     the rule's is left out of the readings (logged), and its error off `probe.errors`.
     """
-    from torch._inductor import ir
-    from torch._inductor.graph import GraphLowering
-
-    original = GraphLowering._update_scheduler
     readings: dict[bool, tuple] = {}
-    first = [True]
-    handlers = contextlib.ExitStack()
 
-    def update_scheduler(graph) -> None:
-        if not first[0]:
-            return original(graph)
-        first[0] = False
+    def schedule_first(schedule, graph, handlers: contextlib.ExitStack) -> None:
         schedulers = {}
-        alike = _one_lowering_schedules_alike() and not any(
-            isinstance(op, ir.UserDefinedTritonKernel) for op in graph.operations)
+        alike = _schedules_alike(graph)
         for apart in (False, True):
             guard = PlannedFusionChoices(apart, count_refusable=not apart)
             before, errors = len(probe.peaks), len(probe.errors)
-            with V.set_choices_handler(guard):
-                original(graph)
+            reading = _reading(probe, schedule, graph, guard)
             schedulers[apart] = graph.scheduler
-            if len(probe.peaks) != before + 1 or len(probe.errors) != errors:  # not read
+            if reading is None:
                 if not apart:  # Inductor's fusions, as they are
                     return None
                 log.warning("the fusion guard's schedule could not be read (%s); Inductor's fusions are kept",
                             probe.errors[errors:])
                 del probe.errors[errors:], probe.peaks[before:]
                 break
-            readings[apart] = (probe.peaks[before], guard)
+            readings[apart] = (reading, guard)
             if not apart and (guard.would_refuse_vertical == 0 or not alike):
                 break
         chosen = choose(readings)
@@ -221,12 +259,8 @@ def scheduled_under_each_rule(probe, choose: Callable[[dict[bool, tuple]], bool]
         handlers.enter_context(V.set_choices_handler(readings[chosen][1]))  # for the subgraphs
         return None
 
-    GraphLowering._update_scheduler = update_scheduler
-    try:
+    with _first_graph_scheduled_by(schedule_first):
         yield readings
-    finally:
-        GraphLowering._update_scheduler = original
-        handlers.close()
 
 
 @contextlib.contextmanager
@@ -256,59 +290,35 @@ def scheduled_guarded_if_over(probe, fits: Callable[[Any], bool], check: Callabl
     Yields a list that holds, once the graph is scheduled, the `PlannedFusionChoices` that scheduled it (its
     `refused` counts what it refused: none for Inductor's own fusions).
     """
-    from torch._inductor import ir
-    from torch._inductor.graph import GraphLowering
-
-    original = GraphLowering._update_scheduler
     used: list[PlannedFusionChoices] = []
-    first = [True]
-    handlers = contextlib.ExitStack()
 
-    def schedule(graph, choices: PlannedFusionChoices):
-        """The probe's reading of `graph` scheduled under `choices` (None if it could not read it)."""
-        before, errors = len(probe.peaks), len(probe.errors)
-        with V.set_choices_handler(choices):
-            original(graph)
-        if len(probe.peaks) != before + 1 or len(probe.errors) != errors:
-            return None
-        return probe.peaks[before]
+    def schedule_first(schedule, graph, handlers: contextlib.ExitStack) -> None:
+        def use(choices: PlannedFusionChoices, reading, dropped=None) -> None:
+            """`choices`' schedule generates the code (and schedules the subgraphs); `dropped`, the other
+            reading, is taken off the probe's."""
+            if dropped is not None:
+                probe.peaks[:] = [p for p in probe.peaks if p is not dropped]
+            used.append(choices)
+            handlers.enter_context(V.set_choices_handler(choices))  # for the subgraphs
+            if reading is not None:
+                probe.checked = reading
+                check(reading)
 
-    def use(choices: PlannedFusionChoices, reading, dropped=None) -> None:
-        """`choices`' schedule generates the code (and schedules the subgraphs); `dropped`, the other reading, is
-        taken off the probe's."""
-        if dropped is not None:
-            probe.peaks[:] = [p for p in probe.peaks if p is not dropped]
-        used.append(choices)
-        handlers.enter_context(V.set_choices_handler(choices))  # for the subgraphs
-        if reading is not None:
-            probe.checked = reading
-            check(reading)
-
-    def update_scheduler(graph) -> None:
-        if not first[0]:
-            return original(graph)
-        first[0] = False
-        alike = _one_lowering_schedules_alike() and not any(
-            isinstance(op, ir.UserDefinedTritonKernel) for op in graph.operations)
         guard, own, own_reading = PlannedFusionChoices(keep_producers_apart), None, None
-        if alike:
+        if _schedules_alike(graph):
             own = PlannedFusionChoices(keep_producers_apart, refuse_horizontal=False)
-            own_reading = schedule(graph, own)
+            own_reading = _reading(probe, schedule, graph, own)
             if own_reading is not None and (own.would_refuse_horizontal == 0 or fits(own_reading)
                                             or not may_improve(own_reading)):
                 return use(own, own_reading)
             if own_reading is None:
                 log.info("Inductor's own fusions could not be read; scheduling with the fusion guard")
         own_scheduler = graph.scheduler
-        reading = schedule(graph, guard)
+        reading = _reading(probe, schedule, graph, guard)
         if own_reading is not None and reading is not None and not fits(reading) and not lower(reading, own_reading):
             graph.scheduler = own_scheduler  # V.graph is `graph`: the scheduler code generation reads
             return use(own, own_reading, dropped=reading)
         return use(guard, reading, dropped=own_reading)
 
-    GraphLowering._update_scheduler = update_scheduler
-    try:
+    with _first_graph_scheduled_by(schedule_first):
         yield used
-    finally:
-        GraphLowering._update_scheduler = original
-        handlers.close()
