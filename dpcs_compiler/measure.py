@@ -2,7 +2,8 @@
 
 CPU: the profiler's memory events (`profile_memory=True`) report every allocation and free of the CPU
 allocator, Inductor's buffers included; a running sum of their byte deltas gives the peak above what was
-allocated when measuring began. CUDA: `reset_peak_memory_stats` / `max_memory_allocated`.
+allocated when measuring began. CUDA: the caching allocator's history over the work (`CudaMemoryTrace`),
+allocated and reserved; the allocator's peak statistics are the user's and are never reset.
 On CPU the bytes alive before the work (parameters, inputs) are not visible to the profiler, so the
 absolute peak is `baseline_bytes + peak_increase_bytes` with a baseline the caller counts
 (`resident_bytes` sums tensors exactly, shared storages once).
@@ -31,6 +32,7 @@ class PeakMemory:
     device: str
     peak_increase_bytes: int  # highest bytes allocated during the work, above the level when it began
     baseline_bytes: int | None  # bytes allocated when it began (CUDA); None on CPU, where it cannot be read
+    reserved_peak_bytes: int | None = None  # CUDA: the most the caching allocator held from the device
 
     def absolute(self, baseline_bytes: int | None = None) -> int:
         """The absolute peak: the measured baseline, or one the caller counted (required on CPU)."""
@@ -176,6 +178,147 @@ class CpuMemoryProfile:
         return self._events
 
 
+CUDA_MARKER_BYTES = 1  # a mark in the allocator's history: a one-byte allocation at an address noted
+CUDA_HISTORY_ENTRIES = 2_000_000  # the most history entries kept while dpcs records (a ring: older ones go)
+_recording = {"traces": 0}  # CudaMemoryTraces that recorded history and have not stopped
+
+
+def _cuda_history_enabled() -> bool:
+    """Whether the allocator records its history now (the program's own recording, or dpcs's)."""
+    query = getattr(torch._C, "_cuda_isHistoryEnabled", None)
+    if query is not None:
+        return bool(query())
+    return any(torch.cuda.memory._snapshot()["device_traces"])  # turning it off clears the history
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryWindow:
+    """The allocator between two marks: the highest bytes allocated and reserved, and both at its end."""
+
+    opened_by: str
+    closed_by: str | None  # None: the last window, to the end of the history read
+    allocated_peak: int
+    reserved_peak: int
+    allocated_end: int
+    reserved_end: int
+
+
+def allocator_windows(events: Sequence[Sequence[Any]], marks: Sequence[tuple[str, int]], allocated: int,
+                      reserved: int) -> list[MemoryWindow] | None:
+    """Allocated and reserved levels between marks, from the allocator's history: `events` as
+    [action, address, size] (the trace's entries), `marks` the (name, address) of each mark's one-byte
+    allocation in the order made, the first being where `allocated` and `reserved` were read. Allocations
+    count their size rounded to the allocator's 512 B; reserved follows the segment events. None if a mark
+    is missing from the history (a ring that wrapped)."""
+    positions, i = [], 0
+    for _, address in marks:
+        while i < len(events) and not (events[i][0] == "alloc" and events[i][1] == address
+                                       and events[i][2] == CUDA_MARKER_BYTES):
+            i += 1
+        if i == len(events):
+            return None
+        positions.append(i)
+        i += 1
+    skip = {p for p in positions}
+    skip.update(_marker_frees(events, positions))
+    windows: list[MemoryWindow] = []
+    level, held = allocated, reserved
+    start = positions[0] if positions else 0
+    bounds = positions[1:] + [len(events)]
+    names = [n for n, _ in marks] or ["start"]
+    at = start + 1
+    for w, end in enumerate(bounds):
+        peak_allocated, peak_reserved = level, held
+        for j in range(at, end):
+            if j in skip:
+                continue
+            action, size = events[j][0], int(events[j][2])
+            if action == "alloc":
+                level += -(-size // 512) * 512
+            elif action == "free_completed":
+                level -= -(-size // 512) * 512
+            elif action in ("segment_alloc", "segment_map"):
+                held += size
+            elif action in ("segment_free", "segment_unmap"):
+                held -= size
+            peak_allocated, peak_reserved = max(peak_allocated, level), max(peak_reserved, held)
+        windows.append(MemoryWindow(names[w], names[w + 1] if w + 1 < len(names) else None, peak_allocated,
+                                    peak_reserved, level, held))
+        at = end + 1
+    return windows
+
+
+def _marker_frees(events: Sequence[Sequence[Any]], positions: Sequence[int]) -> list[int]:
+    """The positions of the free entries of each mark's allocation (the first free of its address after it)."""
+    found = []
+    for p in positions:
+        address = events[p][1]
+        for j in range(p + 1, len(events)):
+            if events[j][1] == address and events[j][0] in ("free_requested", "free_completed"):
+                found.append(j)
+                if events[j][0] == "free_completed":
+                    break
+    return found
+
+
+class CudaMemoryTrace:
+    """The caching allocator's history on one CUDA device from `start()` to `stop()`: what it allocated and
+    reserved between marks, read without the allocator's peak statistics, which are the program's own (dpcs
+    never resets them).
+
+    History is recorded (`torch.cuda.memory._record_memory_history`, no stack frames) only while a trace
+    runs, unless the program records it itself: then its history is read and left as it is. `mark(name)`,
+    from any thread, places a mark: a one-byte allocation whose address is noted.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.marks: list[tuple[str, int]] = []
+        self.recording = False  # whether this trace turned the history on (and turns it off)
+        self.allocated = self.reserved = 0
+        self._windows: list[MemoryWindow] | None = None
+        self._stopped = False
+
+    def start(self) -> CudaMemoryTrace:
+        if _recording["traces"] > 0 or not _cuda_history_enabled():
+            if _recording["traces"] == 0:
+                torch.cuda.memory._record_memory_history("all", context=None, max_entries=CUDA_HISTORY_ENTRIES)
+            _recording["traces"] += 1
+            self.recording = True
+        self.allocated = int(torch.cuda.memory_allocated(self.device))
+        self.reserved = int(torch.cuda.memory_reserved(self.device))
+        self.mark("start")
+        return self
+
+    def mark(self, name: str) -> None:
+        marker = torch.empty(CUDA_MARKER_BYTES, dtype=torch.uint8, device=self.device)
+        self.marks.append((name, marker.data_ptr()))
+        del marker
+
+    def stop(self) -> None:
+        """Read the history (once; later calls do nothing) and stop recording if this trace started it."""
+        if self._stopped:
+            return
+        self._stopped = True
+        try:
+            traces = torch.cuda.memory._snapshot()["device_traces"]
+        finally:
+            if self.recording:
+                _recording["traces"] -= 1
+                if _recording["traces"] == 0:
+                    torch.cuda.memory._record_memory_history(None)
+        trace = traces[self.device.index] if self.device.index < len(traces) else []
+        events = [(e["action"], e.get("addr", 0), e.get("size", 0)) for e in trace]
+        self._windows = allocator_windows(events, self.marks, self.allocated, self.reserved)
+
+    def windows(self) -> list[MemoryWindow] | None:
+        """The windows between marks (the first opened by `start`); None if the history lost a mark."""
+        self.stop()
+        return self._windows
+
+
 # Called before dpcs measures with the profiler: whoever keeps a profiler running across calls (the step
 # recorder's meter) finishes with it, as only one profiler runs at a time.
 BEFORE_PROFILING: list[Callable[[], None]] = []
@@ -186,12 +329,19 @@ def measure_peak_memory(fn: Callable[..., T], *args: Any, device: str | torch.de
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        baseline = torch.cuda.memory_allocated(device)
-        result = fn(*args, **kwargs)
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - baseline
-        return result, PeakMemory(str(device), peak, baseline)
+        trace = CudaMemoryTrace(device).start()
+        try:
+            result = fn(*args, **kwargs)
+            torch.cuda.synchronize(device)
+        finally:
+            trace.stop()
+        windows = trace.windows()
+        if windows is None:
+            raise RuntimeError("measure_peak_memory: the allocator's history lost the start of the work (its ring "
+                               f"of {CUDA_HISTORY_ENTRIES} entries wrapped, or the program's own is shorter)")
+        window = windows[0]
+        return result, PeakMemory(str(device), window.allocated_peak - trace.allocated, trace.allocated,
+                                  window.reserved_peak)
     if device.type != "cpu":
         raise ValueError(f"measure_peak_memory: device {str(device)!r} is not supported; valid choices: 'cpu', 'cuda'")
     for finish in BEFORE_PROFILING:

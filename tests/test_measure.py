@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from dpcs_compiler.measure import measure_peak_memory, quiet_profiler_logs
@@ -46,3 +47,72 @@ def test_a_training_steps_peak_on_cuda_tells_the_models_own_from_what_the_proces
     assert cuda.measured_peak_bytes == resident + (65 << 20) + 1000  # what a budget on CUDA bounds
     assert cuda.outside_bytes == 65 << 20 and cuda.own_peak_bytes == resident + 1000
     assert cpu.own_peak_bytes == cpu.measured_peak_bytes
+
+
+def test_allocator_windows_read_allocated_and_reserved_between_marks_from_the_history():
+    """The allocator's history read between marks (one-byte allocations at noted addresses): sizes counted
+    rounded to 512 B, reserved following the segment events, the marks' own allocations left out."""
+    from dpcs_compiler.measure import allocator_windows
+
+    MiB = 1 << 20
+    events = [
+        ("alloc", 100, 1000),  # before the start mark: not counted
+        ("alloc", 7, 1), ("free_requested", 7, 1), ("free_completed", 7, 1),  # mark "start" at address 7
+        ("segment_alloc", 500, 20 * MiB), ("alloc", 500, 3 * MiB + 1), ("alloc", 600, 100),
+        ("free_completed", 600, 100),
+        ("alloc", 7, 1), ("free_completed", 7, 1),  # mark "turn", the same address again
+        ("alloc", 700, 5 * MiB), ("free_completed", 500, 3 * MiB + 1), ("segment_unmap", 900, 2 * MiB),
+    ]
+    windows = allocator_windows(events, [("start", 7), ("turn", 7)], allocated=10 * MiB, reserved=40 * MiB)
+    first, second = windows
+    assert (first.opened_by, first.closed_by, second.closed_by) == ("start", "turn", None)
+    assert first.allocated_peak == 10 * MiB + 3 * MiB + 512 + 512
+    assert first.allocated_end == 10 * MiB + 3 * MiB + 512 and first.reserved_peak == 60 * MiB
+    assert second.allocated_peak == first.allocated_end + 5 * MiB
+    assert second.allocated_end == 15 * MiB and second.reserved_end == 58 * MiB and second.reserved_peak == 60 * MiB
+    assert allocator_windows(events, [("start", 7), ("lost", 8)], allocated=0, reserved=0) is None
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@cuda
+def test_cuda_a_measured_peak_leaves_the_users_peak_statistics_and_history_alone():
+    """dpcs reads peaks from the allocator's history, recorded only while it measures: the user's
+    max_memory_allocated still reads their own peak afterwards, and no history is left on."""
+    from dpcs_compiler.measure import CudaMemoryTrace, _cuda_history_enabled
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    big = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    del big
+    users_peak = torch.cuda.max_memory_allocated(device)
+    level = torch.cuda.memory_allocated(device)
+    _, peak = measure_peak_memory(lambda: torch.empty(64 << 20, dtype=torch.uint8, device=device).sum(), device=device)
+    assert peak.peak_increase_bytes >= 64 << 20 and peak.baseline_bytes == level
+    assert peak.reserved_peak_bytes >= level + (64 << 20)
+    assert torch.cuda.max_memory_allocated(device) == max(users_peak, level + peak.peak_increase_bytes)
+    assert not _cuda_history_enabled()
+    trace = CudaMemoryTrace(device).start()
+    a = torch.empty(32 << 20, dtype=torch.uint8, device=device)
+    trace.mark("a")
+    del a
+    b = torch.empty(16 << 20, dtype=torch.uint8, device=device)
+    windows = trace.windows()
+    del b
+    assert [w.opened_by for w in windows] == ["start", "a"]
+    assert windows[0].allocated_peak == trace.allocated + (32 << 20)
+    assert windows[1].allocated_peak == trace.allocated + (32 << 20) and windows[1].allocated_end == trace.allocated + (16 << 20)
+
+
+@cuda
+def test_cuda_a_programs_own_history_is_read_and_left_recording():
+    from dpcs_compiler.measure import _cuda_history_enabled
+
+    torch.cuda.memory._record_memory_history("all", context=None)
+    try:
+        _, peak = measure_peak_memory(lambda: torch.empty(8 << 20, dtype=torch.uint8, device="cuda").sum(), device="cuda")
+        assert peak.peak_increase_bytes >= 8 << 20
+        assert _cuda_history_enabled()
+        assert any(e["action"] == "alloc" for e in torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()])
+    finally:
+        torch.cuda.memory._record_memory_history(None)

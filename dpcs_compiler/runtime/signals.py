@@ -13,9 +13,10 @@ Every `every` steps the ring is copied to the host: on an accelerator without bl
 an event, read at the next step: the decision lags one step), on the CPU at once. The host then runs the
 running statistics (`Moments`: EMAs of the global gradient norm and of the loss, and the largest deviation
 from them in running standard deviations, a spike) over the interval's steps, in order. Memory headroom is
-read on the host at the same time: CUDA `mem_get_info` and the allocator's peak since the last read
-(`torch.cuda.reset_peak_memory_stats` is called per read); CPU the memory the system can still give
-(MemAvailable, within the cgroup limit) against its total, and the process's peak RSS.
+read on the host at the same time: CUDA `mem_get_info` and the most the caching allocator reserved since the
+last read, from its counters (`ReservedReadings`; its peak statistics are the user's and never reset); CPU
+the memory the system can still give (MemAvailable, within the cgroup limit) against its total, and the
+process's peak RSS.
 """
 
 from __future__ import annotations
@@ -51,13 +52,36 @@ def reduce_rule(regions: int) -> list[str]:
     return ["max"] * (regions + 1) + [_RULES[f] for f in FIELDS]
 
 
+class ReservedReadings:
+    """The most the caching allocator reserved between two reads, from its counters alone: reserved bytes
+    only fall when it gives memory back (`reserved_bytes.all.freed` grows), so with nothing given back the
+    level now is the peak since the last read; with some given back the peak is at most the level then plus
+    what was reserved since (`reserved_bytes.all.allocated`), which is what is read (never under the truth)."""
+
+    def __init__(self) -> None:
+        self.last: dict[int, tuple[int, int, int]] = {}  # device index -> (reserved, allocated, freed) counters
+
+    def peak_since_last(self, device: torch.device) -> int:
+        stats = torch.cuda.memory_stats(device)
+        now = (int(stats.get("reserved_bytes.all.current", 0)), int(stats.get("reserved_bytes.all.allocated", 0)),
+               int(stats.get("reserved_bytes.all.freed", 0)))
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        before, self.last[index] = self.last.get(index), now
+        if before is None or now[2] == before[2]:
+            return now[0]
+        return max(now[0], before[0] + (now[1] - before[1]))
+
+
+_RESERVED = ReservedReadings()
+
+
 def host_headroom(device: torch.device) -> tuple[float | None, int | None]:
-    """(free fraction of the device's memory at its peak since the last read, that peak in bytes)."""
+    """(free fraction of the device's memory at its peak since the last read, that peak in bytes). CUDA: the
+    peak is what the caching allocator reserved, which is what runs out."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         reserved = torch.cuda.memory_reserved(device)
-        peak = torch.cuda.max_memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
+        peak = _RESERVED.peak_since_last(device)
         return max(0.0, (free + reserved - peak) / total), int(peak)
     if device.type == "cpu":
         available, total = _cpu_available_memory()
