@@ -18,6 +18,9 @@ most `max_compiles` new variants per `compile_window` steps; beyond it the decis
 It also times each step (from one `step` call to the next, steps that compiled left out) per variant.
 `calibrate_from_steps` fits the roofline to those times across the variants that recompute differently
 (`cost.calibration.fit_step_calibration`, on rank 0) and plans the variants compiled from then on with it.
+
+`run_step(step_fn)` runs one training step and, when it runs out of memory, frees, tightens the plan and
+reruns it exactly (no update lost or applied twice), or says why it cannot (docs/oom.md).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import gc
 import logging
 import statistics
 import time
+import traceback
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -43,6 +47,7 @@ from dpcs_compiler.options import parse_memory_budget
 from dpcs_compiler.report import compile_count
 from dpcs_compiler.runtime.curvature import CurvatureProbe
 from dpcs_compiler.runtime.decisions import Decisions, check_mode
+from dpcs_compiler.runtime.oom_retry import StepAttempt
 from dpcs_compiler.runtime.distributed import decide_on_rank_zero, reduce_signals
 from dpcs_compiler.runtime.policies import MemoryPolicy, Policy, PrecisionPolicy, Signals, config_from
 from dpcs_compiler.runtime.signals import SignalCollector, reduce_rule
@@ -68,7 +73,7 @@ class RuntimeConfig:
     job); decisions are taken at reads. grad_norm_every: steps per gradient-norm sample (the norms read every
     gradient once: most of the runtime's per-step cost; 1 samples every step). max_compiles / compile_window: at most this many new variants per
     window of steps (the thrash guard). telemetry_every: steps per telemetry write. max_oom_retries: how
-    often `run_step` retries a step that ran out of memory, each time with a tighter budget."""
+    often `run_step` reruns a step that ran out of memory, each time with a tighter budget (0: never)."""
 
     signal_every: int = 10
     grad_norm_every: int = 1
@@ -143,6 +148,7 @@ class Runtime:
     ) -> None:
         self.config = config_from(RuntimeConfig, config, config_fields, "Runtime")
         modules = _modules(models)
+        self.modules = modules
         self.parameters = list({id(p): p for m in modules for p in m.parameters()}.values())
         if regions is None:
             regions = {name: params for m in modules for name, params in default_regions(m).items()}
@@ -183,6 +189,10 @@ class Runtime:
         self.step_fit: StepFit | None = None
         # Calibrations whose plans measured slower than the roofline's: never applied again.
         self.rejected_calibrations: list[tuple[float, float, float | None]] = []
+        # ids of the buffers a step writes in place, copied before each `run_step` attempt to rerun it exactly:
+        # the running statistics of norm layers from the start, and those a step run by `run_step` wrote.
+        self._written_buffers = {id(b) for m in modules for sub in m.modules()
+                                 if isinstance(sub, torch.nn.modules.batchnorm._NormBase) for b in sub.buffers(recurse=False)}
 
     # ---- what the runtime drives -------------------------------------------------------------------------
 
@@ -361,25 +371,95 @@ class Runtime:
         self._decide_now()
 
     def run_step(self, step_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run `step_fn(*args, **kwargs)` (forward, backward, optimizer step); on an out-of-memory error,
-        tighten the budget and run it again, up to `max_oom_retries` times. `step_fn` must start from
-        zeroed gradients (`optimizer.zero_grad()` first), as a retried step runs from its start.
+        """Run `step_fn(*args, **kwargs)`, one whole training step (zero the gradients, every micro-batch's
+        forward and backward, the optimizer step); on `torch.OutOfMemoryError`, free, tighten the plan and
+        rerun it, up to `max_oom_retries` times, when the rerun is exact. Returns what `step_fn` returns; call
+        `step()` after it, once per step, retried or not.
 
-        In a distributed job an out-of-memory error is raised, not retried: the other ranks are already in
-        the step's collectives."""
-        for attempt in range(self.config.max_oom_retries + 1):
+        A rerun is exact when the failed attempt changed nothing a rerun would change again. Before an
+        optimizer step begins, the parameters and the optimizer state are untouched: the rerun starts from
+        every gradient set to None. Inside an optimizer step (tracked by torch's global optimizer step hooks)
+        the parameters' version counters and a shallow copy of the state tell, without copying a tensor,
+        whether the step had written anything that existed before it: if not (an OOM while it allocates its
+        state, or its temporaries before the first write), the state it created is dropped and the rerun
+        creates it again; if it had (foreach AdamW's weight decay is its first write), the update is partly
+        applied and nothing cheap restores it: RuntimeError, raised from the OOM, saying so. So is an OOM
+        after an optimizer step completed (a rerun would apply it twice), in a step that updated a buffer in
+        place that run_step had not copied (it copies norm layers' running statistics, and the buffers a
+        completed step updated, before each attempt: they are small), or in a step that did not zero the
+        gradients it was given (accumulation over calls: the rerun would lose them). Retrying just the
+        optimizer step was not chosen: what `step_fn` runs after it (a scheduler, logging) would not run, or
+        run twice. The watch costs ~0.3 ms a step for 200 parameters (AdamW), no device work but the buffer copies.
+
+        Each out-of-memory error is decided at once (`Signals(oom=True)`: `MemoryPolicy` tightens one level)
+        and recorded in the telemetry (kind "oom": step, attempt, phase, the decisions after; "oom_recovered"
+        when a rerun completed). With no retry left the OOM propagates, as without a Runtime, the parameters,
+        optimizer state and buffers as before the step. In a distributed job it propagates at once, with no
+        decision: the other ranks are in the step's
+        collectives or past them, so a rank that reran alone would wait in collectives the others do not
+        repeat, and a decision is itself a collective they do not join."""
+        if self._closed:
+            raise RuntimeError("this Runtime was closed")
+        step = self.step_count + 1  # the number `step()` gives it
+        attempt = 1
+        while True:
+            watch = StepAttempt(self)
             try:
-                return step_fn(*args, **kwargs)
-            except torch.OutOfMemoryError:
-                if attempt == self.config.max_oom_retries or rank_agreement.world() is not None:
+                result = step_fn(*args, **kwargs)
+            except torch.OutOfMemoryError as error:
+                distributed = rank_agreement.world() is not None
+                inexact = None if distributed else watch.inexact(self)
+                retry = not distributed and inexact is None and attempt <= self.config.max_oom_retries
+                phase = watch.phase(error)
+                if not distributed and inexact is None:
+                    watch.restore()  # for the rerun, or for a caller that catches the OOM and goes on
+                if retry:
+                    traceback.clear_frames(error.__traceback__)  # the failed attempt's frames hold its tensors
+                self._on_oom(step, attempt, phase, watch, error, retry=retry, why=inexact, decide=not distributed)
+                if inexact is not None:
+                    raise RuntimeError(f"dpcs Runtime.run_step: step {step} ran out of memory ({phase}) and is not rerun, "
+                                       f"as a rerun would not be exact: {inexact}") from error
+                if not retry:
                     raise
+            else:
+                self._written_buffers.update(
+                    id(b) for (_, b), version in zip(watch.buffers, watch.buffer_versions) if b._version != version)
+                if attempt > 1 and self.telemetry is not None:
+                    self.telemetry.record({
+                        "step": step, "kind": "oom_recovered", "attempts": attempt, "decisions": self.decisions.to_json(),
+                        "variant": self.decisions.key(), "budget_bytes": self._budget_bytes(),
+                        "planned_peak_bytes": self._planned_peak_bytes(),
+                    })
+                return result
+            finally:
+                watch.remove_hooks()
+            for p in [*self.parameters, *(p for o in watch.optimizers for g in o.param_groups for p in g["params"])]:
+                p.grad = None
+            del watch
             gc.collect()
-            if torch.cuda.is_available():
+            if torch.cuda.is_initialized():
                 torch.cuda.empty_cache()
-            # Decided here, at once: the next read does not count this OOM again.
-            changed = self._decide(Signals(step=self.step_count, steps=0, oom=True))
-            log.warning("step %d ran out of memory: retrying with %s", self.step_count, (changed or self.decisions).describe())
-        raise AssertionError("unreachable")
+            attempt += 1
+
+    def _on_oom(self, step: int, attempt: int, phase: str, watch: StepAttempt, error: BaseException, *, retry: bool,
+                why: str | None, decide: bool) -> None:
+        """Decide on a caught out-of-memory error at once (the next read does not count it again) and record it."""
+        failed = (self._budget_bytes(), self._planned_peak_bytes())  # the attempt's variant
+        self._record_compiles()  # its compiles: a plan that did not fit stops the policy going tighter
+        changed = self._decide(Signals(step=self.step_count, steps=0, oom=True)) if decide else None
+        optimizer = watch.running[-1].optimizer if watch.running else None
+        log.warning("step %d ran out of memory (%s, attempt %d): %s", step, phase, attempt,
+                    f"rerun with {self.decisions.describe()}" if retry else "not rerun" + (f" ({why})" if why else ""))
+        if self.telemetry is not None:
+            self.telemetry.record({
+                "step": step, "kind": "oom", "attempt": attempt, "phase": phase,
+                "optimizer": None if optimizer is None else type(optimizer).__name__,
+                "error": str(error).splitlines()[0][:200] if str(error) else type(error).__name__,
+                "budget_bytes": failed[0], "planned_peak_bytes": failed[1], "retried": retry, "why_not": why,
+                "decisions": self.decisions.to_json(), "variant": self.decisions.key(), "changed": changed is not None,
+            })
+            if not retry:
+                self.telemetry.flush()  # the error may end the process
 
     def _decide(self, signals: Signals) -> Decisions | None:
         self.last_signals = signals
@@ -456,6 +536,9 @@ class Runtime:
                 for policy in self.policies:
                     if isinstance(policy, MemoryPolicy) and self.decisions.budget_scale is not None:
                         policy.no_tighter()
+
+    def _named_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        return list({id(b): (name, b) for m in self.modules for name, b in m.named_buffers()}.values())
 
     def _budget_bytes(self) -> int | None:
         budgets = [d.current_budget_bytes for d in self.control.dispatchers if d.current_budget_bytes is not None]
