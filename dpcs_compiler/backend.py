@@ -3,7 +3,9 @@
 Registered through the `torch_dynamo_backends` entry point, so `torch.compile(m, backend="dpcs")` works in
 a process that never imported dpcs_compiler. If a dpcs stage raises while compiling a graph, that graph
 falls back to plain Inductor with a warning naming the error and the dump folder, unless the options say
-`"strict": True`, in which case the error propagates. Bad options always raise.
+otherwise (`DpcsOptions.falls_back`): with a `memory_budget` (a fallback would drop it), `"strict": True`
+or `"on_failure": "error"`, a `PlanningError` names the graph and the error. `"on_failure": "fallback"`
+falls back under a budget too. Bad options always raise.
 
 What it returns is a `GraphDispatcher` (`runtime/variants.py`): the graph compiled with its options, which a
 `Runtime` can switch to variants compiled under other decisions between steps, without Dynamo.
@@ -28,7 +30,7 @@ from dpcs_compiler.rank_agreement import RankDisagreementError
 from dpcs_compiler.report import compile_records, records_since
 from dpcs_compiler.passes.infra import copy_graph_module
 from dpcs_compiler.runtime.variants import GraphDispatcher
-from dpcs_compiler.stages.job import BudgetInfeasibleError
+from dpcs_compiler.stages.job import BudgetInfeasibleError, PlanningError
 
 log = logging.getLogger("dpcs.backend")
 
@@ -50,8 +52,9 @@ def dpcs_backend(
 
 
 def compile_with_fallback(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: DpcsOptions, fallback: bool) -> Callable:
-    """The dpcs pipeline on `gm`; if it fails and the options are not strict, plain Inductor when `fallback`
-    (the graph's first compile), else the error (a runtime variant: the dispatcher keeps its current one)."""
+    """The dpcs pipeline on `gm`. If it fails on the graph's first compile (`fallback`): plain Inductor with a
+    warning where the options allow (`DpcsOptions.falls_back`), else a `PlanningError` naming the graph and the
+    error. A runtime variant's failure is raised as it is (the dispatcher keeps its current variant)."""
     records_before = compile_records()
     try:
         # Inductor takes ownership of the graph it compiles and mutates it: dpcs gets a copy, so the
@@ -63,17 +66,25 @@ def compile_with_fallback(gm: fx.GraphModule, example_inputs: Sequence[Any], opt
         # different plans, on every rank alike): not a failure to hide behind a fallback
         raise
     except Exception as error:
-        if opts.strict or not fallback:
+        if not fallback:
             raise
         new_records = records_since(records_before)
+        graph = new_records[0].graph if new_records else "a graph"
         dump = new_records[0].dump_dir if new_records and new_records[0].dump_dir else "none (set dump_dir)"
+        cause = f"{type(error).__name__}: {error}"
+        if not opts.falls_back:
+            budget = "" if opts.memory_budget is None else f" under memory_budget={opts.memory_budget!r}"
+            hint = ""
+            if opts.on_failure is None and not opts.strict:  # raised for the budget's sake
+                hint = "; options={'on_failure': 'fallback'} compiles it with plain Inductor, without the budget"
+            raise PlanningError(f"dpcs could not compile {graph}{budget}: {cause} (dump folder: {dump}{hint})") from error
         for record in new_records:
-            record.fallback = f"{type(error).__name__}: {error}"
+            record.fallback = cause
             write_summary(record)
         warnings.warn(
-            f"dpcs failed to compile a graph and falls back to plain Inductor for it: "
-            f"{type(error).__name__}: {error} (dump folder: {dump}; pass options={{'strict': True}} to raise)"
-            + ("; its memory_budget is NOT applied" if opts.memory_budget is not None else ""),
+            f"dpcs failed to compile {graph} and falls back to plain Inductor for it: {cause} (dump folder: {dump}; "
+            + ("its memory_budget is NOT applied; on_failure='error' raises)" if opts.memory_budget is not None
+               else "pass options={'strict': True} to raise)"),
             DpcsFallbackWarning,
             stacklevel=3,
         )

@@ -22,6 +22,7 @@ from dpcs_compiler.cost.step_model import StepContext
 
 COMPILERS = ("inductor", "eager")
 ON_INFEASIBLE = ("error", "best")
+ON_FAILURE = (None, "error", "fallback")
 BUDGET_SCOPES = ("step", "graph")
 BACKWARD_ORDERS = ("auto", "autograd", "sunk")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -159,7 +160,8 @@ class DpcsOptions:
 
     compiler: the final compiler of the partitioned graphs: "inductor", or "eager" to run them uncompiled
         (for tests and debugging; the graphs are the same ones Inductor would get).
-    strict: raise when a dpcs stage fails, instead of warning and falling back to plain Inductor.
+    strict: raise when a dpcs stage fails, instead of warning and going on without it (a graph dpcs cannot
+        compile: see on_failure).
     dump_dir: write graphs, plans and memory timelines of every compiled graph under this folder
         (defaults to the DPCS_DUMP_DIR environment variable).
     memory_budget: bound on the real peak memory of each compiled training step (parameters, gradients,
@@ -172,6 +174,10 @@ class DpcsOptions:
         graph planned alone against the whole budget: a step of several graphs can exceed it).
     on_infeasible: when no plan fits the budget: "error" raises, naming the smallest peak dpcs can reach;
         "best" compiles the plan with that smallest peak and warns.
+    on_failure: when dpcs cannot compile a graph (a stage raised): "error" raises a `PlanningError` naming the
+        graph and the cause; "fallback" warns and compiles the graph with plain Inductor, its memory_budget not
+        applied. None (default): "error" with a memory_budget (a fallback would drop the budget in silence) or
+        with strict=True, "fallback" without. strict=True with "fallback" is refused.
     precision: "fp32", or "bf16" / "fp16": matmuls, linears, convolutions and attention run in that dtype,
         reductions, norms, softmax and losses in fp32 (`passes/rewrite/precision.py`). fp16 needs loss
         scaling (torch.amp.GradScaler).
@@ -220,6 +226,7 @@ class DpcsOptions:
     dump_dir: Path | None = None
     memory_budget: int | float | str | None = None
     on_infeasible: str = "error"
+    on_failure: str | None = None
     precision: str = "fp32"
     keep_fp32: tuple[str, ...] = ()
     fp8: Fp8Options | None = None
@@ -255,6 +262,16 @@ class DpcsOptions:
             raise ValueError(
                 f"dpcs option 'on_infeasible'={self.on_infeasible!r} is not valid; valid choices: "
                 f"{', '.join(map(repr, ON_INFEASIBLE))}"
+            )
+        if self.on_failure not in ON_FAILURE:
+            raise ValueError(
+                f"dpcs option 'on_failure'={self.on_failure!r} is not valid; valid choices: "
+                f"{', '.join(map(repr, ON_FAILURE))}"
+            )
+        if self.strict and self.on_failure == "fallback":
+            raise ValueError(
+                "dpcs options 'strict'=True and 'on_failure'='fallback' contradict each other (strict raises where a "
+                "graph would fall back); valid choices: one of them"
             )
         if self.budget_scope not in BUDGET_SCOPES:
             raise ValueError(
@@ -325,6 +342,14 @@ class DpcsOptions:
             )
 
     @property
+    def falls_back(self) -> bool:
+        """Whether a graph dpcs cannot compile is compiled by plain Inductor with a warning (`on_failure`)
+        rather than raising."""
+        if self.on_failure is not None:
+            return self.on_failure == "fallback"
+        return not self.strict and self.memory_budget is None
+
+    @property
     def overflow_detected(self) -> bool:
         """Whether the backward checks its gradients (`detect_overflow`, or its default)."""
         if self.detect_overflow is not None:
@@ -389,11 +414,13 @@ class DpcsOptions:
         return self.backward_order == "sunk" or (self.backward_order == "auto" and self.compiler == "eager")
 
     def fingerprint(self) -> str:
-        """Stable hash of the options that change compiled code (the dump folder, strictness and the budget's
-        scope do not: a step's context does; the hardware profile is in the plan as the profile itself,
+        """Stable hash of the options that change compiled code (the dump folder, strictness, on_failure and the
+        budget's scope do not: a step's context does; the hardware profile is in the plan as the profile itself,
         wherever it came from)."""
         relevant = {
-            k: v for k, v in self.to_json().items() if k not in ("dump_dir", "strict", "hardware_profile", "rank_agreement", "budget_scope", "option_sources")
+            k: v for k, v in self.to_json().items()
+            if k not in ("dump_dir", "strict", "on_failure", "hardware_profile", "rank_agreement", "budget_scope",
+                         "option_sources")
         }
         for internal in ("step_context", "size_hints", "stands_in_for"):  # set by dpcs; left out unset, so older hashes stay
             if not relevant[internal]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -14,7 +15,8 @@ import torch
 from dpcs_testing import dpcs_compile, dynamo_graph
 from dpcs_compiler import DpcsFallbackWarning, compile_records, pipeline
 from dpcs_compiler.stages import compile_parts
-from dpcs_compiler.stages.job import GraphJob
+from dpcs_compiler.stages.job import GraphJob, PlanningError
+from dpcs_compiler.stages.partition import JointPartitioner
 from dpcs_compiler.backend import dpcs_backend
 from dpcs_compiler.passes.infra import Rewrite
 
@@ -116,6 +118,60 @@ def test_failing_stage_raises_when_strict(monkeypatch):
     model, x, _ = _mlp_and_reference()
     with pytest.raises(Exception, match="dpcs rewrite pre_autograd/explodes failed: boom"):
         dpcs_compile(model)(x)
+
+
+def _partition_stage_explodes(monkeypatch):
+    """The partition stage (the plan, under a budget; torch's min-cut without one) raises "boom"."""
+
+    def explode(self, joint, joint_inputs, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(JointPartitioner, "__call__", explode)
+
+
+@pytest.mark.parametrize("options", [{}, {"strict": True}, {"strict": False, "on_failure": "error"}],
+                         ids=["default", "strict", "on_failure_error"])
+def test_a_graph_dpcs_cannot_plan_under_a_budget_raises_naming_the_graph_and_the_cause(monkeypatch, options):
+    """A fallback to plain Inductor would drop the budget in silence (issue 57): the error says which graph,
+    why, and how to ask for the fallback, whatever `strict` says."""
+    _partition_stage_explodes(monkeypatch)
+    model, x, _ = _mlp_and_reference()
+    compiled = torch.compile(model, backend="dpcs", options={"compiler": "eager", "memory_budget": "1GiB", **options})
+    with pytest.raises(Exception) as raised:
+        compiled(x)
+    error = getattr(raised.value, "inner_exception", raised.value)  # Dynamo wraps a backend's error
+    assert isinstance(error, PlanningError) and isinstance(error.__cause__, RuntimeError)
+    (record,) = compile_records()
+    assert re.search(rf"could not compile {record.graph} under memory_budget=1073741824: RuntimeError: boom", str(error))
+    assert ("on_failure': 'fallback'" in str(error)) == (options == {})
+    assert record.fallback is None
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("options", [{"memory_budget": "1GiB", "on_failure": "fallback"}, {}], ids=["asked", "no_budget"])
+def test_a_graph_dpcs_cannot_plan_falls_back_when_asked_or_without_a_budget(monkeypatch, options):
+    _partition_stage_explodes(monkeypatch)
+    model, x, expected = _mlp_and_reference()
+    compiled = torch.compile(model, backend="dpcs", options={"compiler": "eager", **options})
+    dropped = "its memory_budget is NOT applied" if options else "pass options=.'strict': True. to raise"
+    with pytest.warns(DpcsFallbackWarning, match=rf"compile graph_\d+ and falls back to plain Inductor.*boom.*{dropped}"):
+        loss = compiled(x).square().sum()
+    loss.backward()
+    torch.testing.assert_close(loss, expected)
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    expected.backward()
+    for grad, param in zip(grads, model.parameters(), strict=True):
+        torch.testing.assert_close(grad, param.grad)
+    assert "boom" in compile_records()[0].fallback
+
+
+def test_on_failure_error_raises_without_a_budget(monkeypatch):
+    _partition_stage_explodes(monkeypatch)
+    model, x, _ = _mlp_and_reference()
+    compiled = torch.compile(model, backend="dpcs", options={"compiler": "eager", "on_failure": "error"})
+    with pytest.raises(Exception, match=r"PlanningError: dpcs could not compile graph_\d+: RuntimeError: boom"):
+        compiled(x)
 
 
 @pytest.mark.parametrize("strict", [False, True])

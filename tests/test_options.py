@@ -99,6 +99,29 @@ def test_on_infeasible_choices():
         DpcsOptions.from_dict({"on_infeasible": "ignore"})
 
 
+@pytest.mark.parametrize(
+    "options, falls_back",
+    [
+        ({}, True),
+        ({"strict": True}, False),
+        ({"memory_budget": "6GiB"}, False),  # a fallback would drop the budget
+        ({"memory_budget": "6GiB", "strict": False}, False),
+        ({"memory_budget": "6GiB", "on_failure": "fallback"}, True),
+        ({"on_failure": "error"}, False),
+    ],
+)
+def test_on_failure_says_whether_a_graph_dpcs_cannot_compile_falls_back(options, falls_back):
+    assert DpcsOptions.from_dict(options).falls_back is falls_back
+    assert DpcsOptions.from_dict(options).fingerprint() == DpcsOptions.from_dict(
+        {k: v for k, v in options.items() if k == "memory_budget"}).fingerprint()  # the same compiled code
+
+
+def test_bad_on_failure_names_value_and_choices():
+    with pytest.raises(ValueError, match="'on_failure'='ignore' is not valid; valid choices: None, 'error', 'fallback'"):
+        DpcsOptions.from_dict({"on_failure": "ignore"})
+    with pytest.raises(ValueError, match="'strict'=True and 'on_failure'='fallback' contradict each other"):
+        DpcsOptions.from_dict({"strict": True, "on_failure": "fallback"})
+
 def test_a_new_budget_changes_the_compile_key():
     from dpcs_compiler.plan import Plan
 

@@ -157,7 +157,8 @@ class GraphJob:
     provisional: bool = False  # a re-plan the solver found over, compiled to be read (`hold_to_budget`)
     graph_fingerprint: str = ""  # the Dynamo graph's identity across ranks (`rank_agreement`)
     resolved_profile: ResolvedProfile | None = None  # `hardware_profile`
-    budget_bytes: int | None = None  # `planning_budget`
+    budget_bytes: int | None = None  # `planning_budget` (on CUDA: in allocated bytes, the allocator's share left out)
+    reserved_budget_bytes: int | None = None  # on CUDA: the budget as given, on what the caching allocator reserves
     sharing: Any | None = None  # `passes.analysis.planning.StepSharing`: what the step's other graphs see
     schedule_node_names: tuple[str, ...] = ()  # the planning schedule's nodes (a problem step's name)
     held_excess: dict[str, int] | None = None  # the excess the plan was last held to the budget with
@@ -524,6 +525,12 @@ def describe_budget(budget: int) -> str:
 
 class BudgetInfeasibleError(ValueError):
     """No plan brings the step's peak within the memory budget (and on_infeasible is "error")."""
+
+
+class PlanningError(RuntimeError):
+    """dpcs could not compile a graph (a stage raised), and the options do not let it fall back to plain
+    Inductor (`DpcsOptions.falls_back`): under a memory budget a fallback would drop the budget. Names the
+    graph; the stage's error is the cause (`__cause__`)."""
 
 
 def graph_device(gm: fx.GraphModule) -> torch.device:

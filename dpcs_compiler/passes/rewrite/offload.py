@@ -31,7 +31,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
-from dpcs_compiler.passes.analysis.tensor_bytes import tensor_bytes
+from dpcs_compiler.passes.analysis.tensor_bytes import is_view, tensor_bytes
 from dpcs_compiler.ops import offload_ops  # noqa: F401  (registers the dpcs ops)
 
 PASS_NAME = "offload"
@@ -135,6 +135,11 @@ def _validate(
         raise ValueError(f"cannot offload {name!r}: the backward never reads it")
     first_use = min(uses, key=order.__getitem__)
     points = [n for n in backward.graph.nodes if n.op != "placeholder" and order[n] <= order[first_use]]
+    target = bw_nodes.get(before)
+    if target is not None and target not in points and _only_views_between(backward, first_use, target):
+        # The partition remade views of the value (a transposed weight cast) in backward just before the node
+        # the plan reloads it for: they read the reload, and cost nothing to wait for.
+        before = first_use.name
     if bw_nodes.get(before) not in points:
         target = bw_nodes.get(before)
         where = (
@@ -148,6 +153,14 @@ def _validate(
         )
     release_after = _release_point(forward, value, release)
     return _Request(value, aliases, release_after, placeholders, bw_nodes[before], first_use)
+
+
+def _only_views_between(backward: fx.GraphModule, first: fx.Node, last: fx.Node) -> bool:
+    """Whether every node from `first` up to (not including) `last` is a view, which allocates nothing and
+    takes no time: a reload before `first` then reaches `last` as soon as one before `last` would."""
+    nodes = list(backward.graph.nodes)
+    start, end = nodes.index(first), nodes.index(last)
+    return start < end and all(is_view(n) for n in nodes[start:end])
 
 
 def _check_requests(requests: Sequence[_Request]) -> None:

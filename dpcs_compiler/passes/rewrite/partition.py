@@ -2,7 +2,8 @@
 
 The plan's decisions become torch's own checkpoint tags on the joint graph (`meta["recompute"]`):
 MUST_RECOMPUTE on every forward node a recomputed candidate needs re-run (and on the views of it the
-backward reads), MUST_SAVE on the values of saved and offloaded candidates. torch's `default_partition`
+backward reads), MUST_SAVE on the values of saved and offloaded candidates, MUST_RECOMPUTE on the views of an
+offloaded one (the backward makes them again from its reload). torch's `default_partition`
 then splits the graph by those tags and reorders the backward the way autograd runs it, so each recomputed
 value is made just before its first use (`reordering_to_mimic_autograd_engine`) - the schedule the memory
 model assumes. Offloaded values then get their copy and reload ops (`passes.rewrite.offload`).
@@ -25,6 +26,7 @@ from torch.utils.flop_counter import flop_registry
 from dpcs_compiler.cost.memory_model import OFFLOAD, RECOMPUTE, SAVE
 from dpcs_compiler.passes.analysis.planning import PlanningGraph, is_random
 from dpcs_compiler.passes.analysis.schedule import FORWARD
+from dpcs_compiler.passes.analysis.tensor_bytes import is_view
 
 PASS_NAME = "plan_partition"
 
@@ -35,6 +37,7 @@ def tag_joint(planning: PlanningGraph, decisions: Sequence[str]) -> None:
         raise ValueError(f"{len(decisions)} decisions for {len(planning.candidates)} candidates")
     schedule, live = planning.schedule, planning.live
     recomputed_buffers = set()
+    offloaded_buffers = set()
     recompute: set[fx.Node] = set()
     save: set[fx.Node] = set()
     for candidate, decision in zip(planning.candidates, decisions):
@@ -43,13 +46,22 @@ def tag_joint(planning: PlanningGraph, decisions: Sequence[str]) -> None:
             recomputed_buffers.add(candidate.buffer)
         elif decision in (SAVE, OFFLOAD):
             save.add(candidate.holder)
+            if decision == OFFLOAD:
+                offloaded_buffers.add(candidate.buffer)
         else:
             raise ValueError(f"decision {decision!r} for {candidate.holder.name!r} is not valid")
     resident = set(schedule.resident)
     for node in schedule.nodes:
         if schedule.phase[node] != FORWARD or node in resident:
             continue
-        if node in recompute or any(b in recomputed_buffers for b in live.references.get(node, ())):
+        buffers = live.references.get(node, ())
+        if node in recompute or any(b in recomputed_buffers for b in buffers):
+            recompute.add(node)
+        elif node not in save and is_view(node) and buffers and all(b in offloaded_buffers for b in buffers):
+            # The backward may read an offloaded value through a view (the transpose of a bf16 weight cast,
+            # the 2-D view of an activation a linear reads): left untagged, the partition would save that view
+            # and not the value, and the offload ops (`passes.rewrite.offload`) would find nothing to copy.
+            # Made again from the value, the view costs nothing and the partition saves the value itself.
             recompute.add(node)
     random = sorted(n.name for n in recompute if is_random(n))
     if random:
@@ -95,18 +107,21 @@ def check_partition(
     decisions: Sequence[str],
     num_user_outputs: int,
 ) -> None:
-    """The partition carried out the plan: what it saves for backward is what the plan keeps, and nothing
-    the plan recomputes crosses; else the memory model would not describe these graphs (ValueError)."""
+    """The partition carried out the plan: what it saves for backward is what the plan keeps, nothing the
+    plan recomputes crosses, and each value the plan offloads crosses itself (the offload ops copy what
+    crosses); else the memory model would not describe these graphs (ValueError)."""
     saved = set(saved_names(forward, num_user_outputs))
     recomputed = {c.holder.name for c, d in zip(planning.candidates, decisions) if d == RECOMPUTE}
     kept = {c.holder.name for c, d in zip(planning.candidates, decisions) if d in (SAVE, OFFLOAD)}
+    offloaded = {c.holder.name for c, d in zip(planning.candidates, decisions) if d == OFFLOAD}
     crossing = sorted(saved & recomputed)
     remade = {n.name for n in backward.graph.nodes if n.op not in ("placeholder", "output")}
     missing = sorted(kept & remade)
-    if crossing or missing:
+    not_crossing = sorted(offloaded - saved)
+    if crossing or missing or not_crossing:
         raise ValueError(
             f"the partition does not follow the plan: saves {crossing} the plan recomputes, recomputes {missing} "
-            "the plan saves"
+            f"the plan saves, does not save {not_crossing} the plan offloads"
         )
 
 

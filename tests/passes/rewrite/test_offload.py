@@ -155,6 +155,21 @@ def test_prefetch_point_before_the_first_use():
     assert all(order[u] > order[wait] for u in node(step.backward, "reload_tanh").users if u is not wait)
 
 
+
+def test_a_reload_point_past_views_of_the_value_reloads_before_the_first_view():
+    """A plan names the node that reads a value; the partition may remake a view of it just before (the
+    transpose of a bf16 weight cast): the reload starts before that view, which reads it (issue 57)."""
+    reference = train_step(mlp, mlp_inputs())
+    view = node(reference.backward, first_use(reference.backward, "sigmoid"))
+    reader = view.next
+    assert view.target is aten.t.default and reader.target is aten.mm.default
+    step = train_step(mlp, mlp_inputs(), lambda fw, bw: {"offloads": {"sigmoid": reader.name}})
+    FileCheck().check("reload_sigmoid = torch.ops.dpcs.reload.default(sigmoid").check_next(
+        "torch.ops.dpcs.wait_tensor.default(reload_sigmoid)"
+    ).check_next(f"{view.name} = torch.ops.aten.t.default(reload_sigmoid)").check_next(f"{reader.name} = ").run(
+        step.backward.code
+    )
+
 def saved_aliases(forward: fx.GraphModule, backward: fx.GraphModule, name: str) -> list[str]:
     """Saved values that are alias / detach chains of `name` (torch saves one next to a tanh output)."""
     found = []

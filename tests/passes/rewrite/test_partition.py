@@ -32,8 +32,9 @@ def mlp_step(x, w0, w1, w2):
     return (h @ w2).sum()
 
 
-def planned_partition(fn, inputs, parameter_indices, choose, trace=None):
-    """Trace `fn` (or run `trace(partition)`), plan with `choose(problem) -> decisions`, partition by the plan."""
+def planned_partition(fn, inputs, parameter_indices, choose, trace=None, host_link=False):
+    """Trace `fn` (or run `trace(partition)`), plan with `choose(problem) -> decisions`, partition by the plan
+    (`host_link`: the problem may offload, each copy taking a nanosecond)."""
     out = {}
 
     def partition(joint, joint_inputs, **kwargs):
@@ -43,14 +44,14 @@ def planned_partition(fn, inputs, parameter_indices, choose, trace=None):
             analyses=cache,
         )
         planning = cache.get(planning_graph, schedule)
-        problem = planning.memory_problem(lambda node: 1e-6)
+        problem = planning.memory_problem(lambda node: 1e-6, *((lambda nbytes: 1e-9, 0.0) if host_link else ()))
         decisions = choose(problem)
         forward, backward = partition_by_plan(joint, joint_inputs, planning, decisions, **kwargs)
         step = Schedule.of_partition(
             forward, backward, num_user_outputs=kwargs["num_fwd_outputs"], parameter_indices=parameter_indices
         )
         out.update(
-            forward=forward, backward=backward, planning=planning, decisions=decisions,
+            forward=forward, backward=backward, planning=planning, problem=problem, decisions=decisions,
             predicted=plan_memory(problem, decisions).peak_bytes, simulated=memory_timeline(step).peak_bytes,
             num_fwd_outputs=kwargs["num_fwd_outputs"],
         )
@@ -109,6 +110,42 @@ def test_plan_model_equals_the_simulation_of_the_partitioned_graphs(seed):
     # at most 0.22% under, with everything recomputed).
     simulated = captured["simulated"] + RUNTIME_ALLOWANCE_BYTES
     assert captured["predicted"] == pytest.approx(simulated, rel=0.005)
+
+
+
+def test_an_offloaded_value_the_backward_reads_through_a_view_is_saved_itself():
+    """Under autocast a linear's weight is cast to bf16 in the forward and the backward reads the cast through
+    its transpose. A plan that offloads the cast gets the cast saved and its view remade in backward from it (a
+    view costs nothing): else the partition saves the view, and the offload ops find no saved value to copy (a
+    plan that fell back to plain Inductor on an H200, issue 57)."""
+    from dpcs_compiler.cost.memory_model import OFFLOAD
+    from dpcs_compiler.passes.rewrite.offload import offload_nodes, insert_offloads
+
+    def step(x, w):
+        return (x @ w.to(torch.bfloat16).t()).float().sum()
+
+    x, w = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True), torch.randn(64, 32, requires_grad=True)
+
+    def offload_the_cast(problem):
+        return tuple(OFFLOAD if c.nbytes == 64 * 32 * 2 else SAVE for c in problem.candidates)
+
+    out = planned_partition(step, (x, w), (1,), offload_the_cast, host_link=True)
+    (index,) = [i for i, d in enumerate(out["decisions"]) if d == OFFLOAD]
+    cast = out["planning"].candidates[index].holder
+    assert out["planning"].live.schedule.phase[cast] == FORWARD and cast.meta["val"].dtype == torch.bfloat16
+    assert cast.name in saved_names(out["forward"], out["num_fwd_outputs"])
+    (view,) = node_named(out["backward"], cast.name).users  # the transpose, remade from the saved cast
+    assert view.target is torch.ops.aten.t.default
+    schedule = out["planning"].schedule
+    reload_before = schedule.nodes[out["problem"].reload_step(index)].name
+    insert_offloads(out["forward"], out["backward"], {cast.name: reload_before})
+    assert [n.args[0].name for n in offload_nodes(out["forward"]) if n.target is torch.ops.dpcs.offload.default] == [
+        cast.name
+    ]
+
+
+def node_named(gm, name):
+    return next(n for n in gm.graph.nodes if n.name == name)
 
 
 def test_a_decision_count_mismatch_is_an_error():
