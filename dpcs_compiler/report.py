@@ -37,7 +37,10 @@ class CompileRecord:
     dump_dir: str | None = None
     fallback: str | None = None  # the error that made this graph fall back to plain Inductor
     # The memory plan (set only when a memory_budget is given):
-    budget_bytes: int | None = None
+    budget_bytes: int | None = None  # on CUDA the allocated bytes plans are held to: the budget less the allocator's
+    # share (`cost.budget.allocator_slack`); `reserved_budget_bytes` is the budget itself, on what it reserves
+    reserved_budget_bytes: int | None = None
+    predicted_reserved_bytes: int | None = None  # CUDA: the caching allocator's reserved peak expected with the plan
     plan_feasible: bool | None = None  # the plan's predicted peak is within the budget
     # A graph planned alone whose budget no plan meets while its outputs count alive through its backward, but
     # might if the step's code drops them (a loss's logits): the verdict (on_infeasible's error or warning), left

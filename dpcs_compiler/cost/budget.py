@@ -3,12 +3,21 @@
 A fraction is of the device's total memory; "auto" is what the step may use without running out: the
 device's free memory now, plus the bytes the step's inputs already hold (they are part of its peak and
 already allocated), less a margin for the allocator's fragmentation and for what runs outside the graph.
+
+On CUDA the budget bounds what the caching allocator reserves from the device, which is what runs out, not
+what tensors hold: under dpcs's plans on an H200 (torch 2.11) reserved ran 30-32% above allocated with the
+default allocator, whose blocks split and cache per segment. With a budget dpcs turns on the allocator's
+expandable segments (`use_expandable_segments`): memory is mapped in 20 MiB pages of one growing segment, and
+on a failed allocation the pages no live tensor touches are unmapped, so what a step needs is its live bytes
+plus partly used pages (0.7-1.6% above the allocated peak in the recorded traces,
+`tests/cost/data/h200_allocator`). Plans are held, in allocated bytes, to the budget less `allocator_slack`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 
 import torch
 
@@ -16,6 +25,76 @@ AUTO_MARGIN_FRACTION = 0.05  # of total device memory, kept free under "auto"
 # Of the budget, left for memory kernels allocate inside themselves, which no graph shows: measured, CPU
 # convolution_backward's internal copy (72 KB on a 65 MiB conv-net step); on CUDA, cuDNN/cuBLAS workspaces.
 WORKSPACE_FRACTION = 0.0025
+
+
+# What a CUDA budget keeps for the caching allocator beyond the bytes plans allocate (`allocator_slack`): with
+# expandable segments, partly used pages (measured 0.7-1.6% of the allocated peak on the H200 traces), at least
+# `EXPANDABLE_SLACK_PAGES` of them; without, blocks split across segments (measured 2-11% under torch's own
+# plans, 30-32% under dpcs's before it bounded reserved bytes).
+EXPANDABLE_PAGE_BYTES = 20 << 20  # the large pool's page (the allocator's large segment size)
+EXPANDABLE_SLACK_PAGES = 8
+EXPANDABLE_SLACK_FRACTION = 0.02
+SEGMENTED_SLACK_FRACTION = 0.12
+
+
+# What the caching allocator reserves beyond a step's allocated peak, as expected (not bounded): with expandable
+# segments the partly used pages at the peak, 0.7% and 1.6% of it in the H200 traces; without, torch's own plans
+# measured 3.6-10% (`benchmarks/results/h200_2026-12-04_explore`).
+EXPANDABLE_EXPECTED_FRACTION = 0.012
+SEGMENTED_EXPECTED_FRACTION = 0.08
+
+
+def predicted_reserved(allocated_peak: int, reserved_now: int, expandable: bool) -> int:
+    """The caching allocator's reserved peak expected for a step whose allocated peak is `allocated_peak`, with
+    `reserved_now` reserved when it is planned (reserved never falls without a release)."""
+    fraction = EXPANDABLE_EXPECTED_FRACTION if expandable else SEGMENTED_EXPECTED_FRACTION
+    return max(reserved_now, allocated_peak + int(fraction * allocated_peak))
+
+
+def allocator_slack(budget_bytes: int, expandable: bool) -> int:
+    """Bytes of a CUDA budget left to the caching allocator: what it reserves beyond what tensors hold."""
+    if expandable:
+        return max(EXPANDABLE_SLACK_PAGES * EXPANDABLE_PAGE_BYTES, int(EXPANDABLE_SLACK_FRACTION * budget_bytes))
+    return int(SEGMENTED_SLACK_FRACTION * budget_bytes)
+
+
+_ALLOC_CONF_ENVS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+_EXPANDABLE: list[bool] = []  # set once per process: whether dpcs runs with expandable segments
+
+
+def expandable_segments_on() -> bool:
+    """Whether dpcs runs the CUDA allocator with expandable segments (False before a CUDA budget was planned)."""
+    return bool(_EXPANDABLE and _EXPANDABLE[0])
+
+
+def use_expandable_segments() -> bool:
+    """Turn on the CUDA caching allocator's expandable segments, once per process (a budget on CUDA bounds
+    reserved bytes, and they keep reserved close to allocated); whether they are on.
+
+    The user's allocator settings win: when PYTORCH_CUDA_ALLOC_CONF (or PYTORCH_ALLOC_CONF) names
+    `expandable_segments`, it stays as given; with `max_split_size_mb` they stay off (together they make
+    reserved grow without bound, pytorch#123548), with a warning. The settings string given to torch restates
+    the user's, since setting it resets what it does not name. Known conflicts of expandable segments, which a
+    user avoids with `expandable_segments:False`: tensors shared between processes through CUDA IPC, and
+    NCCL's user-buffer registration."""
+    if _EXPANDABLE:
+        return _EXPANDABLE[0]
+    conf = next((os.environ[e] for e in _ALLOC_CONF_ENVS if os.environ.get(e)), "")
+    settings = {k.strip().lower(): v.strip().lower() for k, _, v in (p.partition(":") for p in conf.split(",") if p.strip())}
+    if "expandable_segments" in settings:
+        on = settings["expandable_segments"] == "true"
+    elif "max_split_size_mb" in settings:
+        warnings.warn(
+            "dpcs: PYTORCH_CUDA_ALLOC_CONF sets max_split_size_mb, so dpcs leaves expandable segments off (the two "
+            "together make reserved memory grow without bound, pytorch#123548); the budget keeps "
+            f"{SEGMENTED_SLACK_FRACTION:.0%} of itself for the allocator's fragmentation", stacklevel=2)
+        on = False
+    else:
+        setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+        setter(",".join(filter(None, [conf, "expandable_segments:True"])))
+        on = True
+    _EXPANDABLE.append(on)
+    return on
 
 
 def planning_target(budget_bytes: int) -> int:

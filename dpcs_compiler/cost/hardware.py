@@ -412,6 +412,9 @@ def measure_hardware_profile(device: torch.device | str) -> HardwareProfile:
         tiny = torch.ones(1, device=dev)
         launch = _median_seconds(lambda: torch.add(tiny, tiny), sync, plan)
         offload_ops = _offload_ops_timer(dev, sync) if cuda and _offload_ops_timer is not None else None
+        if cuda:  # the buffers measured with (about 1.3 GB) go back to the device, not into the allocator's cache
+            del tiny
+            torch.cuda.empty_cache()
         if not cuda:
             # Competing processes hold the CPU for a while: the less disturbed of two readings, one before and
             # one after the benchmarks, keeps a passing burst from marking an idle machine busy.

@@ -37,6 +37,7 @@ import contextlib
 import dataclasses
 import gc
 import itertools
+from gc import get_objects
 import json
 import logging
 import time
@@ -72,11 +73,12 @@ from dpcs_compiler.cost.step_model import (
 from dpcs_compiler.debug.render import format_bytes
 from dpcs_compiler.heap import paused_collector
 from dpcs_compiler.passes.analysis.planning import Freeable, StepSharing
-from dpcs_compiler.measure import BEFORE_PROFILING, CpuMemoryProfile, optimizer_state_bytes
+from dpcs_compiler.measure import BEFORE_PROFILING, CpuMemoryProfile, CudaMemoryTrace, optimizer_state_bytes
 from dpcs_compiler.files import write_text_atomic
-from dpcs_compiler.report import _ON_CLEAR, STEPS_FILE, StepRecord, add_step_record, compile_records, compiles_raised
+from dpcs_compiler.report import _ON_CLEAR, STEPS_FILE, StepRecord, add_step_record, compile_count, compile_records, compiles_raised
 from dpcs_compiler.cost.budget import CORRECTION_MIN_BYTES, CORRECTION_MIN_FRACTION, torch_plan_limit
 from dpcs_compiler.cost.memory_model import MemoryProblem, plan_seconds
+from dpcs_compiler.cost.optimizer_state import anticipated_state_bytes, state_now_bytes
 from dpcs_compiler.cost.model_state import (
     StateLever,
     StateRates,
@@ -384,6 +386,12 @@ class StepRecorder:
                                           | set(inputs))
         # The optimizers of this step's parameters: their state is alive through it.
         found = _optimizers_of(parameters, [p for po, m in used.values() for p in po.params[m]])
+        if not self.calls and fsdp is None and not offloads:
+            device = next((x.device for x in args if isinstance(x, torch.Tensor) and x.device.type == "cuda"), None)
+            if device is not None:  # on CUDA, what the process holds beside the step's own tensors (counted absolutely)
+                elsewhere = _held_elsewhere(device, {**parameters, **gradients, **inputs, **outside}, found)
+                if elsewhere:
+                    outside[HELD_ELSEWHERE] = elsewhere
         if not self.calls:
             self.optimizers = weakref.WeakSet(found)
         else:
@@ -603,6 +611,7 @@ class StepRecorder:
         reading = meter.read(step[3], at_optimizer_step) if meter is not None and step is not None else None
         if reading is not None:
             reading = tuple(None if r is None else r - step[4] for r in reading)
+            reading = self._with_reserved_excess(meter, reading)
         if meter is not None:
             meter.discard()
         if self._ranks_agree():
@@ -612,6 +621,28 @@ class StepRecorder:
         if step is not None:
             key, shape, refs, _, _ = step
             self._settle(key, shape, refs, reading)
+
+    def _with_reserved_excess(self, meter: _Meter, reading: tuple) -> tuple:
+        """On CUDA, a measured step whose caching allocator reserved more than the budget (allocated bytes
+        within it, the allocator's share exceeded): the excess counted as memory held outside the graphs through
+        the step, so the step is planned again with that much less room (`_correct`)."""
+        budgets = [b for d in self.participants if (b := d.current_reserved_budget_bytes) is not None]
+        if meter.reserved_peak is None or meter.trace is None or not budgets:
+            return reading
+        budget = min(budgets)
+        # Only what the step itself reserved beyond the budget counts: memory reserved before it (by earlier
+        # plans, or the user's code) is the allocator's cache, given back here instead.
+        excess = meter.reserved_peak - max(budget, meter.trace.reserved)
+        if int(torch.cuda.memory_reserved(meter.device)) > budget:
+            torch.cuda.empty_cache()  # cached blocks no tensor uses go back to the device
+            log.info("dpcs: the caching allocator held more than the budget of %d B: its unused cache given back "
+                     "(now %d B reserved)", budget, torch.cuda.memory_reserved(meter.device))
+        if excess <= 0:
+            return reading
+        log.warning("dpcs: the step reserved %d B on the device, %d B over its budget of %d B (the allocator's "
+                    "share of the budget was too small): planned again with that much less", meter.reserved_peak,
+                    excess, budget)
+        return (reading[0] + excess, reading[1] + excess, reading[2])
 
     def _settle(self, key: tuple, shape: StepShape, refs: list, measured: tuple[int, int, int | None] | None) -> None:
         """A complete step of `shape`: count what its measurement (if any) shows beyond the plan, then plan it
@@ -767,6 +798,35 @@ class StepRecorder:
                 offload_blocks=offload,
             )
         return shape, [weakref.ref(c.dispatcher) for c in calls]
+
+    def first_graph_context(self, example_inputs: Sequence[Any]) -> StepContext | None:
+        """For the step's first graph, compiled before any step of it was seen: what the rest of the step holds
+        around it from the first step on, which no graph shows, so that its first plan already fits: the state
+        its optimizers hold once they have stepped (torch's optimizers' first-step state anticipated,
+        `cost/optimizer_state.py`), and on CUDA what the process holds beyond the graph's inputs (other
+        models, and the cuBLAS workspaces each thread makes at its first matrix product, made here first:
+        `_make_cuda_workspaces`). None when that is nothing, or the inputs are fake (DDP's graph splitting)."""
+        from torch._subclasses.fake_tensor import is_fake
+
+        tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+        if any(is_fake(x) for x in tensors):
+            return None
+        parameters = {x.untyped_storage().data_ptr(): x.untyped_storage().nbytes() for x in tensors
+                      if isinstance(x, torch.nn.Parameter)}
+        state = _state_bytes(_optimizers_of(parameters))
+        device = next((x.device for x in tensors if x.device.type == "cuda"), None)
+        elsewhere = 0
+        if device is not None:
+            _make_cuda_workspaces(device)
+            optimizers = _optimizers_of(parameters)
+            elsewhere = _held_elsewhere(device, {x.untyped_storage().data_ptr(): x.untyped_storage().nbytes() for x in tensors},
+                                        optimizers)
+        around = state + elsewhere
+        if around == 0:
+            return None
+        log.info("dpcs: the step's first graph is planned with %d B held around it (optimizer state %d B, on the "
+                 "device beside its inputs %d B)", around, state, elsewhere)
+        return StepContext(forward_bytes=around, backward_bytes=around)
 
     def provisional_context(self, example_inputs: Sequence[Any]) -> StepContext | None:
         """For a graph compiled in the middle of a step (its order not known yet): what the graphs that ran
@@ -1061,29 +1121,29 @@ class _Meter:
     parts: at the step's turn (after its last forward call returned, before its first backward started: eager
     code there, such as a loss) and elsewhere.
 
-    CUDA: the caching allocator's peak between marks (everything allocated counts: optimizer state and memory
-    outside the graphs included; each mark synchronizes). CPU: the profiler's memory events, with the marks
-    recorded in its timeline, above `baseline`: what the step's own tensors hold when it starts, counted from
-    its calls (parameters, gradients already there, DDP's buckets, FSDP2's shards, the first call's inputs).
-    Memory allocated before the step for anything else (optimizer state) is not seen on CPU. The profiler is
-    stopped later, outside the backward (`read`): one stopped inside a backward hook stays on for its thread.
-    No CPU step is measured while another profiler runs.
+    CUDA: the caching allocator's history between marks (`measure.CudaMemoryTrace`: everything allocated
+    counts, optimizer state and memory outside the graphs included; the allocator's peak statistics, the
+    user's, are not touched), and the most it reserved over the step (`reserved_peak`). CPU: the profiler's
+    memory events, with the marks recorded in its timeline, above `baseline`: what the step's own tensors hold
+    when it starts, counted from its calls (parameters, gradients already there, DDP's buckets, FSDP2's
+    shards, the first call's inputs). Memory allocated before the step for anything else (optimizer state) is
+    not seen on CPU. The profiler is stopped later, outside the backward (`read`): one stopped inside a
+    backward hook stays on for its thread. No CPU step is measured while another profiler runs.
     """
 
     FORWARD_END, BACKWARD_START, STEP_END = "dpcs::forward_end", "dpcs::backward_start", "dpcs::step_end"
 
-    def __init__(self, device: torch.device, profile: CpuMemoryProfile | None = None) -> None:
-        self.device, self.profile = device, profile
-        self.windows: list[tuple[str, int]] = []  # CUDA: (mark, the allocator's peak since the one before)
+    def __init__(self, device: torch.device, profile: CpuMemoryProfile | None = None,
+                 trace: CudaMemoryTrace | None = None) -> None:
+        self.device, self.profile, self.trace = device, profile, trace
         self.backward_started = False
+        self.reserved_peak: int | None = None  # CUDA, once read: the most reserved over the step
 
     @classmethod
     def start(cls, args: Sequence[Any]) -> _Meter | None:
         device = next((x.device for x in args if isinstance(x, torch.Tensor)), torch.device("cpu"))
         if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            return cls(device)
+            return cls(device, trace=CudaMemoryTrace(device).start())
         if device.type == "cpu" and not CpuMemoryProfile.busy():
             return cls(device, CpuMemoryProfile().start())
         return None
@@ -1095,15 +1155,15 @@ class _Meter:
             self.backward_started = True
         if self.profile is not None:
             CpuMemoryProfile.mark(name)
-            return
-        torch.cuda.synchronize(self.device)
-        self.windows.append((name, int(torch.cuda.max_memory_allocated(self.device))))
-        torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.trace is not None:
+            self.trace.mark(name)
 
     def discard(self) -> None:
         """Stop measuring (a CPU profiler is stopped; call outside a backward)."""
         if self.profile is not None:
             self.profile.stop()
+        elif self.trace is not None:
+            self.trace.stop()
 
     def read(self, baseline: int, at_end: bool = False) -> tuple[int, int, int | None] | None:
         """(the step's absolute peak outside its turn, at its turn, and, `at_end`, what is allocated now: the
@@ -1116,35 +1176,40 @@ class _Meter:
             turn_start = max(t for t in ends if t <= starts[0])
             before, turn, after, _ = self.profile.window_peaks([turn_start, starts[0], done[0]])
             return baseline + max(before, after), baseline + turn, baseline + self.profile.level() if at_end else None
-        names = [n for n, _ in self.windows]
-        if self.STEP_END not in names or self.BACKWARD_START not in names:
+        windows = self.trace.windows() if self.trace is not None else None
+        if windows is None:
             return None
-        turn = names.index(self.BACKWARD_START)
-        if turn == 0 or names[turn - 1] != self.FORWARD_END:
+        closed = [w.closed_by for w in windows]
+        if self.STEP_END not in closed or self.BACKWARD_START not in closed:
             return None
-        others = [peak for i, (_, peak) in enumerate(self.windows) if i != turn]
+        turn = closed.index(self.BACKWARD_START)
+        if windows[turn].opened_by != self.FORWARD_END:
+            return None
+        last = closed.index(self.STEP_END)
+        self.reserved_peak = max(w.reserved_peak for w in windows[: last + 1])
+        others = [w.allocated_peak for i, w in enumerate(windows[: last + 1]) if i != turn]
         if at_end:
             torch.cuda.synchronize(self.device)
-        return max(others), self.windows[turn][1], int(torch.cuda.memory_allocated(self.device)) if at_end else None
+        return max(others), windows[turn].allocated_peak, int(torch.cuda.memory_allocated(self.device)) if at_end else None
 
 
 class _OptimizerMeter:
     """What one optimizer step allocates beyond what it starts and ends with: its temporaries (a first step's
-    new state, alive at its end, is not among them). CUDA: the caching allocator's peak and levels (the peak
-    statistics are reset at its start, as `_Meter` does); CPU: the profiler's memory events."""
+    new state, alive at its end, is not among them). CUDA: the caching allocator's history over it
+    (`measure.CudaMemoryTrace`); CPU: the profiler's memory events."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, start: int,
-                 profile: CpuMemoryProfile | None) -> None:
+                 profile: CpuMemoryProfile | None, trace: CudaMemoryTrace | None = None) -> None:
         self.optimizer, self.device, self.start_bytes, self.profile = weakref.ref(optimizer), device, start, profile
+        self.trace = trace
 
     @classmethod
     def start(cls, optimizer: torch.optim.Optimizer) -> _OptimizerMeter | None:
         devices = {p.device for group in optimizer.param_groups for p in group["params"]}
         device = next((d for d in devices if d.type == "cuda"), torch.device("cpu"))
         if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            return cls(optimizer, device, int(torch.cuda.memory_allocated(device)), None)
+            trace = CudaMemoryTrace(device).start()
+            return cls(optimizer, device, trace.allocated, None, trace)
         if CpuMemoryProfile.busy():
             return None
         return cls(optimizer, device, 0, CpuMemoryProfile().start())
@@ -1155,13 +1220,16 @@ class _OptimizerMeter:
             peak, end = self.profile.peak_increase_bytes(), self.profile.level()
         else:
             torch.cuda.synchronize(self.device)
-            peak = int(torch.cuda.max_memory_allocated(self.device)) - self.start_bytes
+            windows = self.trace.windows() if self.trace is not None else None
             end = int(torch.cuda.memory_allocated(self.device)) - self.start_bytes
+            peak = windows[0].allocated_peak - self.start_bytes if windows else max(0, end)
         return max(0, peak - max(0, end)), max(0, end)
 
     def discard(self) -> None:
         if self.profile is not None:
             self.profile.stop()
+        elif self.trace is not None:
+            self.trace.stop()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1430,9 +1498,11 @@ def _count_unseen_parameters(root: torch.nn.Module, args: Sequence[Any], paramet
 
 
 def _optimizers_of(parameters: dict[int, int], offloaded: Sequence[torch.Tensor] = ()) -> list[torch.optim.Optimizer]:
-    """The optimizers (CompressedOptimizers, and torch optimizers seen stepping) that step some of these
-    parameters (by storage), or of these ParameterOffload parameters (by identity)."""
+    """The optimizers (CompressedOptimizers, torch optimizers seen stepping, and those that have not stepped yet,
+    found once per compile among the live objects) that step some of these parameters (by storage), or of these
+    ParameterOffload parameters (by identity)."""
     _watch_optimizers()
+    _find_optimizers()
     found = []
     ids = {id(p) for p in offloaded}
     for optimizer in [*INSTANCES, *_STEPPED]:
@@ -1453,14 +1523,66 @@ def _block(po: ParameterOffload, module: torch.nn.Module) -> _Block:
     )
 
 
+HELD_ELSEWHERE = -1  # the key in a call's `outside` of what a CUDA process holds beside the step's own tensors
+
+
+def _held_elsewhere(device: torch.device, counted: dict[int, int], optimizers: Sequence[torch.optim.Optimizer]) -> int:
+    """What the process has allocated on the CUDA `device` beyond the storages `counted` and the optimizers'
+    state there now: other models, cuBLAS's workspaces, a data loader's batches."""
+    state = sum(state_now_bytes(o, "cuda") for o in optimizers if not isinstance(o, CompressedOptimizer))
+    return max(0, int(torch.cuda.memory_allocated(device)) - sum(counted.values()) - state)
+
+
+def _make_cuda_workspaces(device: torch.device) -> None:
+    """Run a matrix product forward and backward on `device`, so that the cuBLAS (and cuBLASLt) workspaces of
+    this thread and of the autograd engine's thread for the device exist: each thread's first product
+    allocates them (about 33 MiB each on an H200, torch 2.11) and keeps them, and the first plan counts them."""
+    with torch.enable_grad(), torch.autocast(device.type, enabled=False):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.ones(16, 16, device=device, dtype=dtype, requires_grad=True)
+            w = torch.ones(16, 16, device=device, dtype=dtype, requires_grad=True)
+            torch.nn.functional.linear(x, w, w[0]).sum().backward()
+    torch.cuda.synchronize(device)
+
+
 def _state_bytes(optimizers: Any) -> int:
-    """Bytes of the optimizers' state on the device, as it is now."""
-    return sum(optimizer_state_bytes(optimizer) for optimizer in list(optimizers))
+    """Bytes of the optimizers' state on the device once each has stepped: as it is now, with what a torch
+    optimizer's first step will make anticipated (`cost/optimizer_state.py`)."""
+    return sum(_one_state_bytes(optimizer) for optimizer in list(optimizers))
 
 
-# torch optimizers seen stepping (their state exists from their first step on); CompressedOptimizers register
-# themselves when made.
+def _one_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    if callable(getattr(optimizer, "state_bytes", None)):  # a CompressedOptimizer counts its own
+        return optimizer_state_bytes(optimizer)
+    anticipated, known = anticipated_state_bytes(optimizer)
+    if not known and not optimizer.state and id(optimizer) not in _UNKNOWN_SAID:
+        _UNKNOWN_SAID.add(id(optimizer))
+        log.warning("dpcs: the state %s makes at its first step cannot be anticipated (not one of torch's "
+                    "optimizers): the step is planned for it once it exists, and may run over its budget until "
+                    "then", type(optimizer).__name__)
+    return anticipated
+
+
+_UNKNOWN_SAID: set[int] = set()
+
+
+# torch optimizers seen stepping, or found before their first step (`_find_optimizers`); CompressedOptimizers
+# register themselves when made.
 _STEPPED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+_FOUND_AT: list[int] = [-1]  # the compile count when the live objects were last searched for optimizers
+
+
+def _find_optimizers() -> None:
+    """Add the live torch optimizers to `_STEPPED`, once per compile: an optimizer made before the first step
+    has not stepped, and its state, made at its first step, is planned for from the first plan on."""
+    count = compile_count()
+    if _FOUND_AT[0] == count:
+        return
+    _FOUND_AT[0] = count
+    for obj in get_objects():
+        kind = type(obj)  # (isinstance would look through a dead weak proxy and raise)
+        if issubclass(kind, torch.optim.Optimizer) and not issubclass(kind, CompressedOptimizer) and not _inner(obj):
+            _STEPPED.add(obj)
 _WATCHING: list[Any] = []
 
 
@@ -1608,7 +1730,7 @@ def _plan_with_model_state(
     for k in range(offloadable + 1):
         out = forced | frozenset(candidates[:k])
         ids = _parameter_ids(blocks, out)
-        fixed = sum(o.device_state_bytes(ids) if isinstance(o, CompressedOptimizer) else optimizer_state_bytes(o)
+        fixed = sum(o.device_state_bytes(ids) if isinstance(o, CompressedOptimizer) else _one_state_bytes(o)
                     for o in optimizers if o not in auto)
         kept = sum(b.parameter_bytes + b.gradient_bytes for n, b in blocks.items() if n in candidates[k:])
         moved = sum(offload_seconds(blocks[n].parameter_bytes, blocks[n].gradient_bytes,

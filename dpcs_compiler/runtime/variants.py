@@ -314,11 +314,16 @@ class GraphDispatcher:
             root = compiled_root_module()
             self.root = weakref.ref(root) if root is not None else None
             provisional = STEPS.provisional_context(example_inputs)
+            # The step's first graph: what the step holds around it from its first run on (optimizer state to
+            # come, on CUDA what the process holds beside it), kept as a graph alone's own (not provisional).
+            first = STEPS.first_graph_context(example_inputs) if not STEPS.calls else None
             if getattr(getattr(gm, "compile_subgraph_reason", None), "graph_break", False) or more_of_frame_follows():
-                provisional = dataclasses.replace(provisional or StepContext(), hold_least=True)
+                provisional = dataclasses.replace(provisional or first or StepContext(), hold_least=True)
             if provisional is not None:
                 self.step_contexts[self.bucket] = provisional
                 self.provisional.add(self.bucket)
+            elif first is not None:
+                self.step_contexts[self.bucket] = first
             self.step_context_for = self.control.decisions
         with warnings.catch_warnings():
             if self.step_context is not None:  # the step is planned as a whole after its first run
@@ -509,6 +514,13 @@ class GraphDispatcher:
         """The memory budget the current variant was planned with (None: no budget)."""
         records = self.records.get(self.current_key) or []
         return records[0].budget_bytes if records else None
+
+    @property
+    def current_reserved_budget_bytes(self) -> int | None:
+        """On CUDA, the memory budget of the current variant on what the caching allocator reserves (None: no
+        budget, or not on CUDA)."""
+        records = self.records.get(self.current_key) or []
+        return records[0].reserved_budget_bytes if records else None
 
     def take_deferred_infeasible(self) -> str | None:
         """The budget verdict its current variant's compile left to the step (`CompileRecord.infeasible_deferred`:

@@ -14,7 +14,15 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from dpcs_compiler import rank_agreement
-from dpcs_compiler.cost.budget import DeviceMemory, resolve_budget, torch_plan_limit
+from dpcs_compiler.cost.budget import (
+    DeviceMemory,
+    allocator_slack,
+    expandable_segments_on,
+    predicted_reserved,
+    resolve_budget,
+    torch_plan_limit,
+    use_expandable_segments,
+)
 from dpcs_compiler.cost.hardware import HardwareProfile
 from dpcs_compiler.cost.memory_model import OFFLOAD, RECOMPUTE, SAVE, MemoryProblem, plan_memory
 from dpcs_compiler.cost.calibration import recompute_terms
@@ -67,6 +75,9 @@ def planning_budget(job: GraphJob, device: torch.device, resident_bytes: int, pr
     job.budget_bytes = resolve_budget(spec, device, resident_bytes, memory=memory)
     if not isinstance(spec, int) and job.agreeing_ranks:
         job.budget_bytes = rank_agreement.smallest(job.budget_bytes)
+    if device.type == "cuda":  # the budget bounds reserved bytes: plans allocate less by the allocator's share
+        job.reserved_budget_bytes = job.record.reserved_budget_bytes = job.budget_bytes
+        job.budget_bytes -= allocator_slack(job.budget_bytes, use_expandable_segments())
     return job.budget_bytes
 
 
@@ -417,6 +428,9 @@ def plan_memory_budget(
     )
     record = job.record
     record.budget_bytes, record.plan_feasible, record.solver = budget, solution.feasible, solution.solver
+    if device.type == "cuda":
+        record.predicted_reserved_bytes = predicted_reserved(solution.peak_bytes, int(torch.cuda.memory_reserved(device)),
+                                                             expandable_segments_on())
     record.step_context = dataclasses.replace(context, hold_least=options.step_context.hold_least).to_json() if context else None
     record.hardware_profile = f"{profile.device_key}: {resolved.describe()}"
     record.planned_for = profile.device_key if profile.device_type != device.type else None
