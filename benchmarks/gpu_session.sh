@@ -5,7 +5,7 @@
 #   OUT=/tmp/gpu bash benchmarks/gpu_session.sh [SECONDS] [STEPS...]
 #
 # SECONDS (default 400) is the deadline for the whole script; every step is cut at it. STEPS picks what runs
-# (default: all, in this order): env tests peak train cadence anatomy bench_gpt bench_llama precision stall. Each step's
+# (default: all, in this order): env tests peak train cadence anatomy bench_gpt bench_llama scale precision stall. Each step's
 # own limit can be set as LIMIT_<name> (e.g. LIMIT_bench_gpt=240). PARALLEL_TIMED=1 runs anatomy, bench_gpt and
 # bench_llama at once on their own cores, their timed phases taking turns on the GPU (see below).
 # The package is installed from this checkout (editable, no dependencies, no index: the machine has no
@@ -14,7 +14,7 @@
 set -u
 DEADLINE=$(( $(date +%s) + ${1:-400} ))
 shift || true
-STEPS=${*:-env tests peak train cadence anatomy bench_gpt bench_llama precision stall}
+STEPS=${*:-env tests peak train cadence anatomy bench_gpt bench_llama scale precision stall}
 EXTRA=${EXTRA:-}  # more commands to run with the first, parallel group (diagnostics): "name:command"
 OUT=${OUT:-/tmp/gpu_session}
 W=$(mktemp -d)
@@ -70,7 +70,8 @@ for name in anatomy bench_gpt bench_llama; do wants $name && TIMED+=($name); don
 PARALLEL_TIMED=${PARALLEL_TIMED:-0}
 pids=()
 wants tests && { step tests_cuda 180 "${G[@]}" "${L[@]}" $PY -m pytest -q -p no:cacheprovider -rs tests/ops/test_overflow.py \
-    tests/ops/test_offload_ops.py tests/passes/rewrite/test_offload.py tests/ops/test_fp8.py & pids+=($!); }
+    tests/ops/test_offload_ops.py tests/passes/rewrite/test_offload.py tests/ops/test_fp8.py tests/test_measure.py \
+    tests/cost/test_allocator.py & pids+=($!); }
 wants peak && { step peak_prediction 180 "${G[@]}" $PY benchmarks/peak_prediction.py --device cuda --out "$W/results" & pids+=($!); }
 wants train && { step train_gpt 180 "${G[@]}" $PY examples/train_gpt.py --device cuda --steps 12 \
     --telemetry "$W/results/train_gpt_telemetry.jsonl" & pids+=($!); }
@@ -105,6 +106,11 @@ for name in "${TIMED[@]}"; do
     i=$(( i + 1 ))
 done
 (( ${#pids[@]} )) && wait "${pids[@]}"
+
+# At the scale people train (issue 57): a 439M-parameter Llama, 16k tokens a step, each strategy in its own process
+# under one 16 GiB cap, then dpcs uncapped at each torch strategy's reserved peak (its runs compile at once and
+# time their steps in turn, on the device lock; about 5 minutes).
+wants scale && step gpu_scale 330 "${G[@]}" $PY benchmarks/gpu_scale.py --out "$W/results" --logs "$W/logs/gpu_scale"
 
 # fp8 against bf16 speed (torchao is not on the machine's image: dpcs's own fp8 linears only).
 wants precision && step precision_speed 120 "${G[@]}" $PY benchmarks/precision_speed.py --device cuda \
