@@ -1547,8 +1547,19 @@ def _make_cuda_workspaces(device: torch.device) -> None:
 
 def _state_bytes(optimizers: Any) -> int:
     """Bytes of the optimizers' state on the device once each has stepped: as it is now, with what a torch
-    optimizer's first step will make anticipated (`cost/optimizer_state.py`)."""
-    return sum(_one_state_bytes(optimizer) for optimizer in list(optimizers))
+    optimizer's first step will make anticipated (`cost/optimizer_state.py`). A wrapper that shares another's
+    state (accelerate's AcceleratedOptimizer, Lightning's) is counted once, through the optimizer it wraps."""
+    by_state: dict[int, torch.optim.Optimizer] = {}
+    for optimizer in list(optimizers):
+        key = id(optimizer.state)
+        if key not in by_state or _wraps(by_state[key]):
+            by_state[key] = optimizer
+    return sum(_one_state_bytes(optimizer) for optimizer in by_state.values())
+
+
+def _wraps(optimizer: Any) -> bool:
+    """Whether `optimizer` wraps another optimizer (and shares its state): `optimizer.optimizer` is one."""
+    return isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer)
 
 
 def _one_state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -1581,7 +1592,8 @@ def _find_optimizers() -> None:
     _FOUND_AT[0] = count
     for obj in get_objects():
         kind = type(obj)  # (isinstance would look through a dead weak proxy and raise)
-        if issubclass(kind, torch.optim.Optimizer) and not issubclass(kind, CompressedOptimizer) and not _inner(obj):
+        if (issubclass(kind, torch.optim.Optimizer) and not issubclass(kind, CompressedOptimizer) and not _inner(obj)
+                and not _wraps(obj)):  # a wrapper's state is the optimizer's it wraps, found on its own
             _STEPPED.add(obj)
 _WATCHING: list[Any] = []
 

@@ -47,3 +47,25 @@ def test_an_optimizer_not_of_torchs_is_counted_as_it_is_and_said_unknown():
     Mine.__module__ = "my_project.optim"
     assert anticipated_state_bytes(Mine(_net().parameters(), lr=0.1)) == (0, False)
     assert "Adam" in PARAMETER_SHAPED_STATES
+
+
+def test_a_wrapper_sharing_an_optimizers_state_is_counted_once_through_it():
+    """accelerate's AcceleratedOptimizer (the Trainer's) is an Optimizer whose state is its inner one's: the
+    step counts the state once (`runtime/step._state_bytes`), and never warns that the wrapper is unknown."""
+    from dpcs_compiler.runtime.step import _state_bytes
+
+    class Wrapper(torch.optim.Optimizer):
+        def __init__(self, optimizer):  # as accelerate's: no Optimizer.__init__, the inner one's state
+            self.optimizer = optimizer
+
+        @property
+        def state(self):
+            return self.optimizer.state
+
+        @property
+        def param_groups(self):
+            return self.optimizer.param_groups
+
+    inner = torch.optim.AdamW(_net().parameters())
+    expected = anticipated_state_bytes(inner)[0]
+    assert _state_bytes([Wrapper(inner), inner]) == _state_bytes([inner, Wrapper(inner)]) == expected
