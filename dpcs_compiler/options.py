@@ -33,6 +33,9 @@ DUMP_DIR_ENV = "DPCS_DUMP_DIR"
 HARDWARE_PROFILE_ENV = "DPCS_HARDWARE_PROFILE"
 OPTIONS_ENV = "DPCS_OPTIONS"
 CODE_SOURCE = "code"
+# Fields dpcs sets on the options of the graphs and variants it compiles (`runtime/variants.py`); refused from
+# users, in code and in DPCS_OPTIONS alike (`DpcsOptions.from_dict`).
+INTERNAL_OPTIONS = ("step_context", "size_hints", "stands_in_for")
 _BYTE_UNITS = {
     "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
@@ -365,10 +368,11 @@ class DpcsOptions:
         if options is not None and not isinstance(options, Mapping):
             raise ValueError(f"dpcs options must be a dict, got {type(options).__name__}")
         code = dict(options or {})
-        valid = [f.name for f in dataclasses.fields(cls) if f.name != "option_sources"]
+        valid = [f.name for f in dataclasses.fields(cls) if f.name != "option_sources" and f.name not in INTERNAL_OPTIONS]
         for key in code:
             if key not in valid:
-                raise ValueError(f"unknown dpcs option {key!r}; valid options: {', '.join(map(repr, valid))}")
+                why = " (set by dpcs for the graphs it plans, not by users)" if key in INTERNAL_OPTIONS else ""
+                raise ValueError(f"unknown dpcs option {key!r}{why}; valid options: {', '.join(map(repr, valid))}")
         environment, env_source = environment_options(valid)
         options = {**environment, **code}
         sources = {key: env_source for key in environment} | {key: CODE_SOURCE for key in code}

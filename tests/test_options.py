@@ -259,3 +259,15 @@ def test_compile_records_and_the_dump_say_where_each_option_came_from(monkeypatc
     assert record.option_sources["hardware_profile"] == "environment variable DPCS_HARDWARE_PROFILE"
     (summary,) = (tmp_path / "dump").rglob("summary.json")
     assert json.loads(summary.read_text())["option_sources"] == record.option_sources
+
+
+@pytest.mark.parametrize("key, value", [("step_context", {"forward_bytes": 3}), ("size_hints", [["s0", 64]]),
+                                        ("stands_in_for", "inductor")])
+def test_fields_dpcs_sets_for_its_graphs_are_refused_from_users_in_code_and_in_the_environment(monkeypatch, key, value):
+    import json
+
+    with pytest.raises(ValueError, match=rf"unknown dpcs option '{key}' \(set by dpcs"):
+        DpcsOptions.from_dict({key: value})
+    monkeypatch.setenv("DPCS_OPTIONS", json.dumps({key: value}))
+    with pytest.raises(ValueError, match=rf"'{key}'.*DPCS_OPTIONS"):
+        DpcsOptions.from_dict({})

@@ -378,7 +378,7 @@ def test_a_step_context_outside_a_first_step_hashes_as_before_first_step_existed
     from dpcs_compiler.options import DpcsOptions
 
     def options(**context):
-        return DpcsOptions.from_dict({"memory_budget": 10, "step_context": {"forward_bytes": 3, **context}})
+        return DpcsOptions(memory_budget=10, step_context={"forward_bytes": 3, **context})  # as dpcs sets it
 
     assert options().fingerprint() == "080ab5cff91d11ab"  # ecafbbf's
     assert options(first_step=True).fingerprint() != options().fingerprint()
