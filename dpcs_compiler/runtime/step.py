@@ -709,6 +709,15 @@ class StepRecorder:
         if not outside and not turn and not end:
             return
         if self.corrections.get(key, 0) >= MAX_CORRECTIONS:
+            participants = list(self.participants)
+            budget = self.fitted_budget if self.fitted_budget is not None else min(
+                (b for d in participants if (b := d.current_budget_bytes) is not None), default=None)
+            peak = max(measured[0], measured[1])
+            if budget is not None and peak > budget:  # the budget is not held: said as a plan no budget fits is
+                _say_infeasible(
+                    f"{describe_budget(budget)} is not held by the training step: it measured {format_bytes(peak)} "
+                    f"({peak} B) after {MAX_CORRECTIONS} plans counting what it held beyond each, "
+                    f"{max(outside, turn, end)} B beyond the last", participants)
             log.warning("dpcs: the step measured %d B beyond its plan again; not planned again", max(outside, turn, end))
             return
         self.outside_measured[key] = self.outside_measured.get(key, 0) + outside

@@ -44,7 +44,7 @@ from dpcs_compiler.passes.infra import copy_graph_module
 from dpcs_compiler.rank_agreement import graph_fingerprint
 from dpcs_compiler.report import CompileRecord, compile_records, note_compile_raised, records_since
 from dpcs_compiler.runtime.decisions import Decisions
-from dpcs_compiler.stages.job import job_of
+from dpcs_compiler.stages.job import PlanningError, job_of
 
 log = logging.getLogger("dpcs.runtime")
 
@@ -445,6 +445,13 @@ class GraphDispatcher:
         except Exception as error:
             if self.options.strict:
                 raise
+            if not self.options.falls_back:  # under a budget the current variant may not fit what was decided
+                raise PlanningError(
+                    f"dpcs could not compile {self.name} for the runtime's decisions "
+                    f"({self.control.decisions.describe() if self.control.decisions else 'compile options'}) under "
+                    f"memory_budget={self.options.memory_budget!r}: {type(error).__name__}: {error}; its current "
+                    "variant was planned for another step or budget (options={'on_failure': 'fallback'} keeps it)"
+                ) from error
             warnings.warn(
                 f"dpcs could not compile {self.name} for the runtime's decisions "
                 f"({self.control.decisions.describe() if self.control.decisions else 'compile options'}): "

@@ -7,12 +7,14 @@ import dataclasses
 import json
 import warnings
 
+import pytest
 import torch
 
 from dpcs_compiler.cost.step_model import StepShape
 from dpcs_compiler.models import BranchingNet
 from dpcs_compiler.report import step_records
 from dpcs_compiler.runtime.step import MAX_CORRECTIONS, STEPS
+from dpcs_compiler.stages.job import BudgetInfeasibleError
 from dpcs_testing import dpcs_compile
 
 
@@ -81,6 +83,34 @@ def test_a_measured_excess_is_counted_as_outside_memory_and_planned_again_at_mos
     STEPS.to_plan = False
     STEPS._correct(key, shape, (11_000_000, 9_000_000, None), [])
     assert not STEPS.to_plan  # a third excess is reported, not planned again
+    STEPS.reset()
+
+
+@pytest.mark.parametrize("on_infeasible", ["error", "best"])
+def test_a_step_still_over_its_budget_after_the_last_correction_is_refused_or_warned(on_infeasible):
+    """Issue 58: the third measured excess of a step that is then over its budget was only logged, even under
+    on_infeasible="error"; it is the budget's verdict now (over the prediction but within the budget: logged)."""
+    import types
+
+    class Graph:  # a participant of the step, as the verdict reads it
+        options = types.SimpleNamespace(on_infeasible=on_infeasible)
+        current_budget_bytes = 10_500_000
+
+    graph = Graph()
+    STEPS.reset()
+    STEPS.participants.add(graph)
+    key = (("a",), ((),))
+    shape = StepShape(instances=("a",), parameter_bytes=100)
+    STEPS.predicted, STEPS.predicted_peak = (10_000_000, 8_000_000, 6_000_000), 10_000_000
+    STEPS.corrections[key] = MAX_CORRECTIONS
+    STEPS._correct(key, shape, (10_400_000, 8_000_000, None), [])  # over the prediction, within the budget
+    over = (11_000_000, 8_000_000, None)
+    if on_infeasible == "error":
+        with pytest.raises(BudgetInfeasibleError, match=r"is not held by the training step: it measured .*11000000 B"):
+            STEPS._correct(key, shape, over, [])
+    else:
+        with pytest.warns(UserWarning, match="is not held by the training step"):
+            STEPS._correct(key, shape, over, [])
     STEPS.reset()
 
 

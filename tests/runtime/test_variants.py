@@ -182,6 +182,30 @@ def test_a_variant_that_fails_to_compile_keeps_the_current_one(monkeypatch):
     assert runtime.compile_events[-1].error == "RuntimeError: no such variant"
 
 
+def test_under_a_budget_a_variant_that_fails_to_compile_is_an_error_not_the_current_one_kept(monkeypatch):
+    """Issue 58: the current variant was planned for another step or budget; kept, the budget could be dropped
+    with only a warning. With a budget it raises (on_failure='fallback' keeps the current one, warned)."""
+    from dpcs_compiler.stages.job import PlanningError
+
+    for on_failure, expect in ((None, PlanningError), ("fallback", None)):
+        torch._dynamo.reset()
+        model = mlp()
+        options = {"compiler": "eager", "memory_budget": 10**9, **({"on_failure": on_failure} if on_failure else {})}
+        compiled = torch.compile(model, backend="dpcs", options=options)
+        runtime = Runtime(model, policies=[])
+        x = torch.randn(4, 32)
+        compiled(x)
+        [graph] = runtime.graphs
+        monkeypatch.setattr(graph, "compile_fn", lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("no")))
+        runtime.force_precision("bf16")
+        if expect is None:
+            with pytest.warns(UserWarning, match="keeps running its current variant"):
+                compiled(x)
+        else:
+            with pytest.raises(PlanningError, match=r"could not compile .* under memory_budget=1000000000: RuntimeError: no"):
+                compiled(x)
+
+
 def test_regions_pin_only_in_graphs_that_hold_them():
     from dpcs_compiler.options import DpcsOptions
     from dpcs_compiler.runtime.variants import variant_options

@@ -207,6 +207,15 @@ def op_signature(node: fx.Node, *, inductor: bool = False, channels_last: bool =
     return OpSignature(f"{op._schema.name}.{op._overloadname}", args, kwargs, "cpu")
 
 
+def unmeasured_workspace(signature: OpSignature) -> int:
+    """What a kernel the probe cannot run is counted to allocate inside itself: a copy of each tensor argument
+    (the most the measured kernels allocate: oneDNN reorders a convolution's input and output into its
+    layout, a norm's or a softmax's backward copies its input), so the budget keeps room for it instead of
+    none."""
+    return sum(a.storage_elements * a.dtype.itemsize for a in pytree.tree_leaves((signature.args, signature.kwargs))
+               if isinstance(a, TensorSpec))
+
+
 # Measured workspaces in this process, by (intra-op threads, signature): a kernel's scratch can be per thread.
 _MEASURED: dict[tuple[int, OpSignature], int] = {}
 _warned_busy = False
@@ -303,9 +312,10 @@ def _measure_in_this_thread(signatures: list[OpSignature]) -> dict[OpSignature, 
         for signature in signatures:
             try:
                 found[signature] = _measure_one(signature)
-            except Exception as error:  # noqa: BLE001 - an op the probe cannot run counts no workspace, said in the log
-                log.info("dpcs: workspace of %s not measured: %s: %s", signature.describe(), type(error).__name__, error)
-                found[signature] = 0
+            except Exception as error:  # noqa: BLE001 - an op the probe cannot run: a bound, said in the log
+                found[signature] = unmeasured_workspace(signature)
+                log.warning("dpcs: workspace of %s not measured (%s: %s): counted as its inputs' bytes, %d B",
+                            signature.describe(), type(error).__name__, error, found[signature])
     return found
 
 

@@ -55,6 +55,20 @@ def test_a_kernel_that_copies_a_non_contiguous_input_has_the_copy_as_workspace()
     assert measure_workspaces([signature, contiguous]) == {signature: 32 * 64 * 4, contiguous: 0}
 
 
+def test_a_kernel_the_probe_cannot_run_is_counted_as_a_copy_of_its_inputs_not_as_nothing(monkeypatch, caplog):
+    """Issue 58: an unmeasured kernel counted 0 B of workspace, said at INFO; the budget keeps a bound for it."""
+    gm = make_fx(softmax_of_transpose, tracing_mode="fake")(torch.randn(32, 64))
+    signature = op_signature(nodes_by_target(gm)[torch.ops.aten._softmax.default])
+
+    def refuse(signature):
+        raise RuntimeError("no kernel for these arguments here")
+
+    monkeypatch.setattr(op_workspace, "_measure_one", refuse)
+    with caplog.at_level("WARNING", logger="dpcs.passes"):
+        assert measure_workspaces([signature]) == {signature: 64 * 32 * 4}
+    assert "counted as its inputs' bytes" in caplog.text
+
+
 def test_measuring_leaves_the_users_random_numbers_alone():
     gm = make_fx(softmax_of_transpose, tracing_mode="fake")(torch.randn(32, 64))
     torch.manual_seed(7)
