@@ -147,6 +147,15 @@ def test_a_graph_dpcs_cannot_plan_under_a_budget_raises_naming_the_graph_and_the
     assert record.fallback is None
 
 
+def _assert_gradients_are_eagers(model, expected_loss):
+    """The gradients the compiled step left equal those of the eager loss's backward."""
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    expected_loss.backward()
+    for grad, param in zip(grads, model.parameters(), strict=True):
+        torch.testing.assert_close(grad, param.grad)
+
+
 @pytest.mark.inductor
 @pytest.mark.parametrize("options", [{"memory_budget": "1GiB", "on_failure": "fallback"}, {}], ids=["asked", "no_budget"])
 def test_a_graph_dpcs_cannot_plan_falls_back_when_asked_or_without_a_budget(monkeypatch, options):
@@ -158,11 +167,7 @@ def test_a_graph_dpcs_cannot_plan_falls_back_when_asked_or_without_a_budget(monk
         loss = compiled(x).square().sum()
     loss.backward()
     torch.testing.assert_close(loss, expected)
-    grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    expected.backward()
-    for grad, param in zip(grads, model.parameters(), strict=True):
-        torch.testing.assert_close(grad, param.grad)
+    _assert_gradients_are_eagers(model, expected)
     assert "boom" in compile_records()[0].fallback
 
 
@@ -230,11 +235,7 @@ def test_failing_dump_write_in_the_lazy_backward_stage_does_not_kill_training(mo
         loss = compiled(x).square().sum()
         loss.backward()
     torch.testing.assert_close(loss, expected)
-    grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    expected.backward()
-    for grad, param in zip(grads, model.parameters()):
-        torch.testing.assert_close(grad, param.grad)
+    _assert_gradients_are_eagers(model, expected)
     assert "disk full" in compile_records()[0].fallback
 
 
