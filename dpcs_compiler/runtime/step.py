@@ -37,13 +37,13 @@ import contextlib
 import dataclasses
 import gc
 import itertools
-from gc import get_objects
 import json
 import logging
 import time
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
+from gc import get_objects
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -822,14 +822,14 @@ class StepRecorder:
             return None
         parameters = {x.untyped_storage().data_ptr(): x.untyped_storage().nbytes() for x in tensors
                       if isinstance(x, torch.nn.Parameter)}
-        state = _state_bytes(_optimizers_of(parameters))
+        optimizers = _optimizers_of(parameters)
+        state = _state_bytes(optimizers)
         device = next((x.device for x in tensors if x.device.type == "cuda"), None)
         elsewhere = 0
         if device is not None:
             _make_cuda_workspaces(device)
-            optimizers = _optimizers_of(parameters)
-            elsewhere = _held_elsewhere(device, {x.untyped_storage().data_ptr(): x.untyped_storage().nbytes() for x in tensors},
-                                        optimizers)
+            inputs = {x.untyped_storage().data_ptr(): x.untyped_storage().nbytes() for x in tensors}
+            elsewhere = _held_elsewhere(device, inputs, optimizers)
         around = state + elsewhere
         if around == 0:
             return None
@@ -1558,12 +1558,18 @@ def _state_bytes(optimizers: Any) -> int:
     """Bytes of the optimizers' state on the device once each has stepped: as it is now, with what a torch
     optimizer's first step will make anticipated (`cost/optimizer_state.py`). A wrapper that shares another's
     state (accelerate's AcceleratedOptimizer, Lightning's) is counted once, through the optimizer it wraps."""
+    return sum(_one_state_bytes(optimizer) for optimizer in _distinct(optimizers))
+
+
+def _distinct(optimizers: Any) -> list[torch.optim.Optimizer]:
+    """The optimizers with one per state: of a wrapper and the optimizer it wraps (sharing its state), the one
+    it wraps."""
     by_state: dict[int, torch.optim.Optimizer] = {}
     for optimizer in list(optimizers):
         key = id(optimizer.state)
         if key not in by_state or _wraps(by_state[key]):
             by_state[key] = optimizer
-    return sum(_one_state_bytes(optimizer) for optimizer in by_state.values())
+    return list(by_state.values())
 
 
 def _wraps(optimizer: Any) -> bool:
@@ -1752,7 +1758,7 @@ def _plan_with_model_state(
         out = forced | frozenset(candidates[:k])
         ids = _parameter_ids(blocks, out)
         fixed = sum(o.device_state_bytes(ids) if isinstance(o, CompressedOptimizer) else _one_state_bytes(o)
-                    for o in optimizers if o not in auto)
+                    for o in _distinct(optimizers) if o not in auto)
         kept = sum(b.parameter_bytes + b.gradient_bytes for n, b in blocks.items() if n in candidates[k:])
         moved = sum(offload_seconds(blocks[n].parameter_bytes, blocks[n].gradient_bytes,
                                     blocks[n].parameter_elements, rates) for n in candidates[:k])
