@@ -38,6 +38,7 @@ dpcs run (no stack frames) and writes it, compacted, beside the JSON: test data 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gzip
 import json
@@ -206,32 +207,30 @@ def run_one(spec: RunSpec, scale: Scale, *, device_name: str, cap: int, steps: i
     timed_from = min(5, steps)
     rounds = [list(range(timed_from, steps))[r::TIMED_ROUNDS] for r in range(TIMED_ROUNDS)]
     i = -1
-    caught = warnings.catch_warnings(record=True)
-    seen = caught.__enter__()
-    warnings.simplefilter("always")
-    try:
-        import torch._functorch.config as functorch_config
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        try:
+            import torch._functorch.config as functorch_config
 
-        with functorch_config.patch(activation_memory_budget=amb) if amb is not None else _nothing():
-            for i in range(timed_from):  # the first compiles (no lock: compiles run at once); later steps take it
-                with device_to_itself() if i > 0 else _nothing():
-                    seconds = _traced_step(step, i, spec, out, device)
-                first3 += seconds if i < 3 else 0.0
-                row["steps"].append({"step": i, "seconds": seconds, **_device_levels(device)})
-            if spec.history and device.type == "cuda":
-                _write_history(spec, out)
-            for chunk in rounds:  # the timed rounds: the GPU to this process alone
-                with device_to_itself():
-                    for i in sorted(chunk):
+            with functorch_config.patch(activation_memory_budget=amb) if amb is not None else contextlib.nullcontext():
+                for i in range(timed_from):  # the first compiles (no lock: compiles run at once); later steps take it
+                    with device_to_itself() if i > 0 else contextlib.nullcontext():
                         seconds = _traced_step(step, i, spec, out, device)
-                        times.append(seconds)
-                        row["steps"].append({"step": i, "seconds": seconds, **_device_levels(device)})
-        row["ok"] = True
-    except Exception as error:  # noqa: BLE001 - an OOM is a result
-        row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:400] if str(error) else ''}"
-        row["failed_at_step"] = i
-        row["traceback"] = traceback.format_exc()[-3000:]
-    caught.__exit__(None, None, None)
+                    first3 += seconds if i < 3 else 0.0
+                    row["steps"].append({"step": i, "seconds": seconds, **_device_levels(device)})
+                if spec.history and device.type == "cuda":
+                    _write_history(spec, out)
+                for chunk in rounds:  # the timed rounds: the GPU to this process alone
+                    with device_to_itself():
+                        for i in sorted(chunk):
+                            seconds = _traced_step(step, i, spec, out, device)
+                            times.append(seconds)
+                            row["steps"].append({"step": i, "seconds": seconds, **_device_levels(device)})
+            row["ok"] = True
+        except Exception as error:  # noqa: BLE001 - an OOM is a result
+            row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:400] if str(error) else ''}"
+            row["failed_at_step"] = i
+            row["traceback"] = traceback.format_exc()[-3000:]
     row["warnings"] = list(dict.fromkeys(f"{w.category.__name__}: {str(w.message)[:300]}" for w in seen
                                          if not issubclass(w.category, (DeprecationWarning, FutureWarning))))[:8]
     row["first3_s"] = first3 if len([s for s in row["steps"] if s["step"] < 3]) == 3 else None
@@ -245,14 +244,6 @@ def run_one(spec: RunSpec, scale: Scale, *, device_name: str, cap: int, steps: i
                                if k.startswith("num_") or (".all." in k and k.endswith((".peak", ".current")))}
     row.update(_dpcs_prediction() if spec.kind == "dpcs" else {"predicted_reserved_bytes": None})
     return row
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 def _traced_step(step, i: int, spec: RunSpec, out: Path, device) -> float:

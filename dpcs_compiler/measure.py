@@ -219,7 +219,7 @@ def allocator_windows(events: Sequence[Sequence[Any]], marks: Sequence[tuple[str
             return None
         positions.append(i)
         i += 1
-    skip = {p for p in positions}
+    skip = set(positions)
     skip.update(_marker_frees(events, positions))
     windows: list[MemoryWindow] = []
     level, held = allocated, reserved
