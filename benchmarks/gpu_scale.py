@@ -15,7 +15,7 @@ as a user's first run does). Runs compile at once (their first step); every late
 in rounds that interleave between the runs. (The first H200 run, 2026-12-04, took the lock for the timed
 rounds only: other runs' untimed steps overlapped some timed ones, at 0.25-0.35 s against 0.09 s alone.)
 
-Runs (`--runs`, each `KIND[:VALUE][@BUDGET][+uncapped][+expandable]`):
+Runs (`--runs`, each `KIND[:VALUE][@BUDGET][+uncapped][+expandable][+lifted]`):
 
     compile        torch.compile, Inductor's defaults
     amb:X          torch.compile with torch._functorch.config.activation_memory_budget = X
@@ -25,7 +25,9 @@ Runs (`--runs`, each `KIND[:VALUE][@BUDGET][+uncapped][+expandable]`):
 
 Phase 1 runs every run under the cap (`+uncapped` lifts it). A torch run that runs out of memory under the cap is
 run again uncapped, to measure its peak. Phase 2 (`--phase2`, the default) runs dpcs uncapped with each torch
-run's measured reserved peak as its budget. Peaks are the allocator's own statistics of the run's process
+run's measured reserved peak as its budget (dpcs caps the process at its budget itself, `cost.budget.cap_reserved`),
+and the first of them again with `+lifted`: the process lifts dpcs's cap after the first step, as a user may, so
+the JSON's `cap_cost` says what holding reserved bytes to the budget costs a step. Peaks are the allocator's own statistics of the run's process
 (`max_memory_allocated` / `max_memory_reserved`: each run is its own process, so these are its own).
 
 Writes gpu_scale_<device>.json (`device`, `torch`, `model` {`params`, `tokens_per_step`}, `cap_bytes`, `rows`:
@@ -95,20 +97,21 @@ class RunSpec:
     expandable: bool = False
     trace_step: int | None = None
     history: bool = False  # record the allocator's history from the process's start to the end of step 3
+    lifted: bool = False  # dpcs: the process lifts the cap dpcs sets at its budget, after the first step
 
     @property
     def strategy(self) -> str:
         name = f"amb {self.value:g}" if self.kind == "amb" else self.kind
         if self.kind == "dpcs" and self.budget is not None:
             name += f"@{self.budget / GiB:.2f}GiB"
-        return name + (" +expandable" if self.expandable else "") + (" +history" if self.history else "")
+        return name + "".join(f" +{flag}" for flag in ("expandable", "history", "lifted") if getattr(self, flag))
 
     @classmethod
     def parse(cls, text: str) -> RunSpec:
         head, *flags = text.split("+")
-        unknown = [f for f in flags if f not in ("uncapped", "expandable", "history")]
+        unknown = [f for f in flags if f not in ("uncapped", "expandable", "history", "lifted")]
         if unknown:
-            raise ValueError(f"run {text!r}: unknown flag(s) {unknown}; valid: +uncapped, +expandable, +history")
+            raise ValueError(f"run {text!r}: unknown flag(s) {unknown}; valid: +uncapped, +expandable, +history, +lifted")
         head, _, budget = head.partition("@")
         kind, _, value = head.partition(":")
         if kind not in ("compile", "amb", "sac", "dpcs"):
@@ -123,7 +126,7 @@ class RunSpec:
         if parsed is not None and not isinstance(parsed, int):
             raise ValueError(f"run {text!r}: a budget here is bytes or a size ('15GiB'), not {budget!r}")
         return cls(kind, float(value) if value else None, parsed, "uncapped" not in flags, "expandable" in flags,
-                   history="history" in flags)
+                   history="history" in flags, lifted="lifted" in flags)
 
 
 # --- one run, in its own process ---------------------------------------------------------------------------
@@ -160,6 +163,7 @@ def run_one(spec: RunSpec, scale: Scale, *, device_name: str, cap: int, steps: i
 
     device = torch.device(device_name)
     row: dict[str, Any] = {"strategy": spec.strategy, "kind": spec.kind, "value": spec.value, "history": spec.history,
+                           "lifted": spec.lifted,
                            "capped": spec.capped and device.type == "cuda", "expandable": spec.expandable,
                            "budget_bytes": None, "ok": False, "error": None, "failed_at_step": None, "steps": []}
     if device.type == "cuda":
@@ -217,6 +221,8 @@ def run_one(spec: RunSpec, scale: Scale, *, device_name: str, cap: int, steps: i
                     with device_to_itself() if i > 0 else contextlib.nullcontext():
                         seconds = _traced_step(step, i, spec, out, device)
                     first3 += seconds if i < 3 else 0.0
+                    if i == 0 and spec.lifted and device.type == "cuda":  # the user lifts dpcs's cap: taken as theirs
+                        torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
                     row["steps"].append({"step": i, "seconds": seconds, **_device_levels(device)})
                 if spec.history and device.type == "cuda":
                     _write_history(spec, out)
@@ -297,6 +303,7 @@ def _dpcs_prediction() -> dict[str, Any]:
         "predicted_reserved_bytes": next((r.predicted_reserved_bytes for r in reversed(training)
                                           if getattr(r, "predicted_reserved_bytes", None)), None),
         "planned_allocated_budget_bytes": training[-1].budget_bytes if training else None,
+        "reserved_cap_bytes": training[-1].reserved_cap_bytes if training else None,
         "graphs_compiled": len(records),
         "replans": sum(getattr(r, "replans", 0) or 0 for r in records),
         "recomputed_values": [r.recomputed_values for r in training],
@@ -381,6 +388,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--runs", default=",".join(DEFAULT_RUNS))
     parser.add_argument("--no-phase2", dest="phase2", action="store_false",
                         help="skip dpcs uncapped at each torch run's reserved peak")
+    parser.add_argument("--no-lifted", dest="lifted", action="store_false",
+                        help="skip the phase-2 run whose process lifts dpcs's cap at the budget (what the cap costs)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--quick", action="store_true", help="a tiny Llama (tests, CPU)")
     parser.add_argument("--trace-step", type=int, default=None, help="record dpcs runs' allocator history at this step")
@@ -422,9 +431,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     torch_peaks.setdefault(r["strategy"], r["peak_reserved_bytes"])
             phase2 = [RunSpec("dpcs", budget=peak, capped=False)
                       for peak in dict.fromkeys(torch_peaks.values())]
+            # What dpcs's cap at the budget costs: the first of them again with the cap lifted after step 0.
+            phase2 += [dataclasses.replace(phase2[0], lifted=True)] if phase2 and args.lifted else []
             rows += run_all(phase2, args, scale, work, first_index=len(rows)) if phase2 else []
         for r in rows:
-            if r["kind"] == "dpcs" and not r.get("capped") and r.get("budget_bytes"):
+            if r["kind"] == "dpcs" and not r.get("capped") and r.get("budget_bytes") and not r.get("lifted"):
                 r["at_peak_of"] = [s for s, p in torch_peaks.items() if p == r["budget_bytes"]] if args.phase2 else []
     payload = {
         "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine(),
@@ -476,6 +487,12 @@ def targets(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     errors = [abs(r["predicted_reserved_bytes"] / r["peak_reserved_bytes"] - 1) for r in rows
               if r["kind"] == "dpcs" and r.get("ok") and r.get("predicted_reserved_bytes") and r.get("peak_reserved_bytes")]
     result["reserved_prediction_error"] = {"max": max(errors) if errors else None, "holds": bool(errors) and max(errors) <= 0.03}
+    lifted = next((r for r in rows if r.get("lifted") and r.get("ok")), None)
+    capped = next((r for r in rows if lifted and r.get("ok") and not r.get("lifted") and r["kind"] == "dpcs"
+                   and not r.get("capped") and r.get("budget_bytes") == lifted.get("budget_bytes")), None)
+    if lifted and capped:  # not a target: what holding reserved bytes to the budget costs a step
+        result["cap_cost"] = {"budget_bytes": capped["budget_bytes"], "step_ratio": capped["step_s"] / lifted["step_s"],
+                              "reserved_capped": capped["peak_reserved_bytes"], "reserved_lifted": lifted["peak_reserved_bytes"]}
     plain = next((r for r in rows if r["kind"] == "compile" and r.get("first3_s")), None)
     firsts = [r["first3_s"] / plain["first3_s"] for r in rows if r["kind"] == "dpcs" and r.get("first3_s") and plain]
     result["first3_ratio"] = {"max": max(firsts) if firsts else None, "holds": bool(firsts) and max(firsts) <= 1.3}

@@ -40,6 +40,7 @@ class CompileRecord:
     budget_bytes: int | None = None  # on CUDA the allocated bytes plans are held to: the budget less the allocator's
     # share (`cost.budget.allocator_slack`); `reserved_budget_bytes` is the budget itself, on what it reserves
     reserved_budget_bytes: int | None = None
+    reserved_cap_bytes: int | None = None  # CUDA: the process's cap on reserved bytes after dpcs set it to the budget
     predicted_reserved_bytes: int | None = None  # CUDA: the caching allocator's reserved peak expected with the plan
     plan_feasible: bool | None = None  # the plan's predicted peak is within the budget
     # A graph planned alone whose budget no plan meets while its outputs count alive through its backward, but

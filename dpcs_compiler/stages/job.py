@@ -159,6 +159,7 @@ class GraphJob:
     resolved_profile: ResolvedProfile | None = None  # `hardware_profile`
     budget_bytes: int | None = None  # `planning_budget` (on CUDA: in allocated bytes, the allocator's share left out)
     reserved_budget_bytes: int | None = None  # on CUDA: the budget as given, on what the caching allocator reserves
+    reserved_cap_bytes: int | None = None  # on CUDA: the process's cap on reserved bytes (`cost.budget.cap_reserved`)
     sharing: Any | None = None  # `passes.analysis.planning.StepSharing`: what the step's other graphs see
     schedule_node_names: tuple[str, ...] = ()  # the planning schedule's nodes (a problem step's name)
     held_excess: dict[str, int] | None = None  # the excess the plan was last held to the budget with

@@ -17,6 +17,7 @@ from dpcs_compiler import rank_agreement
 from dpcs_compiler.cost.budget import (
     DeviceMemory,
     allocator_slack,
+    cap_reserved,
     expandable_segments_on,
     predicted_reserved,
     resolve_budget,
@@ -77,6 +78,7 @@ def planning_budget(job: GraphJob, device: torch.device, resident_bytes: int, pr
         job.budget_bytes = rank_agreement.smallest(job.budget_bytes)
     if device.type == "cuda":  # the budget bounds reserved bytes: plans allocate less by the allocator's share
         job.reserved_budget_bytes = job.record.reserved_budget_bytes = job.budget_bytes
+        job.reserved_cap_bytes = job.record.reserved_cap_bytes = cap_reserved(job.budget_bytes, device)
         job.budget_bytes -= allocator_slack(job.budget_bytes, use_expandable_segments())
     return job.budget_bytes
 
@@ -430,7 +432,7 @@ def plan_memory_budget(
     record.budget_bytes, record.plan_feasible, record.solver = budget, solution.feasible, solution.solver
     if device.type == "cuda":
         record.predicted_reserved_bytes = predicted_reserved(solution.peak_bytes, int(torch.cuda.memory_reserved(device)),
-                                                             expandable_segments_on())
+                                                             expandable_segments_on(), job.reserved_cap_bytes)
     record.step_context = dataclasses.replace(context, hold_least=options.step_context.hold_least).to_json() if context else None
     record.hardware_profile = f"{profile.device_key}: {resolved.describe()}"
     record.planned_for = profile.device_key if profile.device_type != device.type else None

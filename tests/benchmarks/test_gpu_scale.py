@@ -18,14 +18,16 @@ def test_a_run_is_parsed_from_its_name_and_a_bad_one_names_the_valid_forms():
     assert RunSpec.parse("dpcs@15GiB+uncapped+expandable") == RunSpec("dpcs", None, 15 * GiB, False, True)
     assert RunSpec.parse("compile+history").history
     assert RunSpec.parse("dpcs@15GiB").strategy == "dpcs@15.00GiB"
+    assert RunSpec.parse("dpcs@15GiB+uncapped+lifted").strategy == "dpcs@15.00GiB +lifted"
     for bad, says in (("amb", "ratio"), ("sac@3GiB", "only dpcs"), ("fast", "valid choices"), ("dpcs+loud", r"\+uncapped")):
         with pytest.raises(ValueError, match=says):
             RunSpec.parse(bad)
 
 
 def _row(strategy, kind, *, capped=True, ok=True, tokens=None, step=None, reserved=None, budget=None, first3=None,
-         predicted=None, at_peak_of=()):
+         predicted=None, at_peak_of=(), lifted=False):
     return {"strategy": strategy, "kind": kind, "capped": capped, "ok": ok, "tokens_per_s": tokens, "step_s": step,
+            "lifted": lifted,
             "peak_reserved_bytes": reserved, "budget_bytes": budget, "first3_s": first3,
             "predicted_reserved_bytes": predicted, "at_peak_of": list(at_peak_of)}
 
@@ -41,6 +43,8 @@ def test_the_targets_compare_dpcs_with_the_best_torch_run_that_fits_and_at_each_
              predicted=15.2 * GiB),
         _row("dpcs@12.00GiB", "dpcs", capped=False, step=0.085, reserved=11.9 * GiB, budget=12 * GiB, first3=36.0,
              predicted=12.1 * GiB, at_peak_of=["amb 0.5"]),
+        _row("dpcs@12.00GiB +lifted", "dpcs", capped=False, step=0.080, reserved=12.4 * GiB, budget=12 * GiB,
+             lifted=True),
     ]
     result = targets(rows)
     assert result["under_cap"] == {"dpcs_ok": True, "best_torch": "amb 0.5", "tokens_ratio": 1.125, "holds": True}
@@ -49,4 +53,5 @@ def test_the_targets_compare_dpcs_with_the_best_torch_run_that_fits_and_at_each_
     assert result["reserved_prediction_error"]["max"] == pytest.approx(0.3 / 15.5)  # the larger miss of the two
     assert result["reserved_prediction_error"]["holds"]
     assert result["first3_ratio"]["max"] == pytest.approx(36 / 27) and not result["first3_ratio"]["holds"]
+    assert result["cap_cost"]["step_ratio"] == pytest.approx(0.085 / 0.080)  # the cap at the budget against none
     json.dumps(result)  # written to the results file as it is
