@@ -53,7 +53,7 @@ import tempfile
 import time
 import traceback
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -98,20 +98,30 @@ class RunSpec:
     trace_step: int | None = None
     history: bool = False  # record the allocator's history from the process's start to the end of step 3
     lifted: bool = False  # dpcs: the process lifts the cap dpcs sets at its budget, after the first step
+    slack: float | None = None  # dpcs, exploring: the allocator's share of a CUDA budget (`cost.budget`)
 
     @property
     def strategy(self) -> str:
         name = f"amb {self.value:g}" if self.kind == "amb" else self.kind
         if self.kind == "dpcs" and self.budget is not None:
             name += f"@{self.budget / GiB:.2f}GiB"
-        return name + "".join(f" +{flag}" for flag in ("expandable", "history", "lifted") if getattr(self, flag))
+        name += "".join(f" +{flag}" for flag in ("expandable", "history", "lifted") if getattr(self, flag))
+        return name + (f" +slack{self.slack:g}" if self.slack is not None else "")
+
+    @property
+    def explores(self) -> bool:
+        """A run that measures dpcs's mechanism, not dpcs as it is given: left out of the targets."""
+        return self.history or self.lifted or self.slack is not None
 
     @classmethod
     def parse(cls, text: str) -> RunSpec:
         head, *flags = text.split("+")
-        unknown = [f for f in flags if f not in ("uncapped", "expandable", "history", "lifted")]
+        slack = next((float(f[5:]) for f in flags if f.startswith("slack") and f[5:].replace(".", "", 1).isdigit()), None)
+        unknown = [f for f in flags if f not in ("uncapped", "expandable", "history", "lifted") and not (
+            f.startswith("slack") and slack is not None)]
         if unknown:
-            raise ValueError(f"run {text!r}: unknown flag(s) {unknown}; valid: +uncapped, +expandable, +history, +lifted")
+            raise ValueError(f"run {text!r}: unknown flag(s) {unknown}; valid: +uncapped, +expandable, +history, "
+                             "+lifted, +slackF")
         head, _, budget = head.partition("@")
         kind, _, value = head.partition(":")
         if kind not in ("compile", "amb", "sac", "dpcs"):
@@ -126,7 +136,7 @@ class RunSpec:
         if parsed is not None and not isinstance(parsed, int):
             raise ValueError(f"run {text!r}: a budget here is bytes or a size ('15GiB'), not {budget!r}")
         return cls(kind, float(value) if value else None, parsed, "uncapped" not in flags, "expandable" in flags,
-                   history="history" in flags, lifted="lifted" in flags)
+                   history="history" in flags, lifted="lifted" in flags, slack=slack)
 
 
 # --- one run, in its own process ---------------------------------------------------------------------------
@@ -155,15 +165,17 @@ def _compact_trace(snapshot: dict[str, Any], before: dict[str, Any]) -> dict[str
     return {"segments_before": segments(before), "segments_after": segments(snapshot), "events": events}
 
 
-def run_one(spec: RunSpec, scale: Scale, *, device_name: str, cap: int, steps: int, out: Path) -> dict[str, Any]:
-    """Build the model, compile it as `spec` says, train `steps` steps, and return the run's row."""
+def run_one(spec: RunSpec, scale: Scale, *, device_name: str, cap: int, steps: int, out: Path,
+            ready: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    """Build the model, compile it as `spec` says, train `steps` steps, and return the run's row. `ready` is
+    called once the untimed steps are done (or failed): it returns when the timed steps may start."""
     import torch
 
     from dpcs_compiler.models import LlamaLM, LlamaSize, apply_activation_checkpointing
 
     device = torch.device(device_name)
     row: dict[str, Any] = {"strategy": spec.strategy, "kind": spec.kind, "value": spec.value, "history": spec.history,
-                           "lifted": spec.lifted,
+                           "lifted": spec.lifted, "slack": spec.slack, "explores": spec.explores,
                            "capped": spec.capped and device.type == "cuda", "expandable": spec.expandable,
                            "budget_bytes": None, "ok": False, "error": None, "failed_at_step": None, "steps": []}
     if device.type == "cuda":
@@ -184,6 +196,10 @@ def run_one(spec: RunSpec, scale: Scale, *, device_name: str, cap: int, steps: i
     generator = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, scale.vocab, (scale.batch, scale.seq), generator=generator).to(device) for _ in range(2)]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    if spec.slack is not None:
+        from dpcs_compiler.cost import budget as budget_module
+
+        budget_module.EXPANDABLE_SLACK_FRACTION = spec.slack
     if spec.kind == "dpcs":
         budget = spec.budget if spec.budget is not None else cap
         row["budget_bytes"] = budget
@@ -217,13 +233,16 @@ def run_one(spec: RunSpec, scale: Scale, *, device_name: str, cap: int, steps: i
             import torch._functorch.config as functorch_config
 
             with functorch_config.patch(activation_memory_budget=amb) if amb is not None else contextlib.nullcontext():
-                for i in range(timed_from):  # the first compiles (no lock: compiles run at once); later steps take it
-                    with device_to_itself() if i > 0 else contextlib.nullcontext():
-                        seconds = _traced_step(step, i, spec, out, device)
-                    first3 += seconds if i < 3 else 0.0
-                    if i == 0 and spec.lifted and device.type == "cuda":  # the user lifts dpcs's cap: taken as theirs
-                        torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
-                    row["steps"].append({"step": i, "seconds": seconds, **_device_levels(device)})
+                try:
+                    for i in range(timed_from):  # the first compiles (no lock: they run at once); later steps take it
+                        with device_to_itself() if i > 0 else contextlib.nullcontext():
+                            seconds = _traced_step(step, i, spec, out, device)
+                        first3 += seconds if i < 3 else 0.0
+                        if i == 0 and spec.lifted and device.type == "cuda":  # the user lifts dpcs's cap: theirs
+                            torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
+                        row["steps"].append({"step": i, "seconds": seconds, **_device_levels(device)})
+                finally:  # no run is timed while another compiles (Triton's autotuning runs on the GPU)
+                    ready()
                 if spec.history and device.type == "cuda":
                     _write_history(spec, out)
                 for chunk in rounds:  # the timed rounds: the GPU to this process alone
@@ -322,8 +341,17 @@ def worker_main(argv: Sequence[str]) -> int:
     args = json.loads(argv[0])
     spec = RunSpec(**args["spec"])
     out = Path(args["out"])
+    group = Path(args["group"])
+
+    def ready() -> None:  # a barrier of the runs launched together, through files
+        (group / f"ready_{os.getpid()}").touch()
+        deadline = time.monotonic() + 900
+        while len(list(group.glob("ready_*"))) < args["group_size"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+
     row = run_one(spec, Scale(**args["scale"]), device_name=args["device"], cap=args["cap"], steps=args["steps"],
-                  out=out)
+                  out=out, ready=ready)
+    row["group"] = group.name
     Path(args["row_file"]).write_text(json.dumps(row))
     return 0
 
@@ -331,10 +359,12 @@ def worker_main(argv: Sequence[str]) -> int:
 # --- the orchestra -----------------------------------------------------------------------------------------
 
 
-def _launch(spec: RunSpec, args: argparse.Namespace, scale: Scale, work: Path, index: int, threads: int):
+def _launch(spec: RunSpec, args: argparse.Namespace, scale: Scale, work: Path, index: int, threads: int,
+            group: Path, group_size: int):
     row_file = work / f"row_{index}.json"
     payload = {"spec": dataclasses.asdict(spec), "scale": dataclasses.asdict(scale), "device": args.device,
-               "cap": args.cap, "steps": args.steps, "out": str(args.out), "row_file": str(row_file)}
+               "cap": args.cap, "steps": args.steps, "out": str(args.out), "row_file": str(row_file),
+               "group": str(group), "group_size": group_size}
     cache = Path(tempfile.mkdtemp(prefix=f"gpu_scale_cache_{index}_"))
     env = {"DPCS_BENCH_DEVICE_LOCK": str(work / "device.lock"), **os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton"),
            "TORCHINDUCTOR_COMPILE_THREADS": str(max(1, threads)), "PYTHONUNBUFFERED": "1"}
@@ -348,7 +378,10 @@ def run_all(specs: Sequence[RunSpec], args: argparse.Namespace, scale: Scale, wo
             ) -> list[dict[str, Any]]:
     """Run `specs` at once, each in its own process; their rows (a process that died: its log's tail)."""
     threads = max(1, (os.cpu_count() or 2) // max(1, len(specs)))
-    launched = [(_launch(s, args, scale, work, first_index + k, threads), s) for k, s in enumerate(specs)]
+    group = work / f"group_{first_index}"
+    group.mkdir(parents=True, exist_ok=True)
+    launched = [(_launch(s, args, scale, work, first_index + k, threads, group, len(specs)), s)
+                for k, s in enumerate(specs)]
     rows = []
     for (proc, row_file, log), spec in launched:
         try:
@@ -390,6 +423,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="skip dpcs uncapped at each torch run's reserved peak")
     parser.add_argument("--no-lifted", dest="lifted", action="store_false",
                         help="skip the phase-2 run whose process lifts dpcs's cap at the budget (what the cap costs)")
+    parser.add_argument("--explore-slack", type=lambda t: [float(x) for x in t.split(",") if x], default=[],
+                        help="phase 2 also runs dpcs at the first torch peak with these allocator shares (0.04,0.05)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--quick", action="store_true", help="a tiny Llama (tests, CPU)")
     parser.add_argument("--trace-step", type=int, default=None, help="record dpcs runs' allocator history at this step")
@@ -431,8 +466,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     torch_peaks.setdefault(r["strategy"], r["peak_reserved_bytes"])
             phase2 = [RunSpec("dpcs", budget=peak, capped=False)
                       for peak in dict.fromkeys(torch_peaks.values())]
-            # What dpcs's cap at the budget costs: the first of them again with the cap lifted after step 0.
+            # What dpcs's cap at the budget costs: the first of them again with the cap lifted after step 0; the
+            # allocator's share of the budget explored at the same budget; plain Inductor compiling beside them,
+            # the first three steps' reference in the same conditions (as many processes compiling at once).
             phase2 += [dataclasses.replace(phase2[0], lifted=True)] if phase2 and args.lifted else []
+            phase2 += [dataclasses.replace(phase2[0], slack=x) for x in args.explore_slack] if phase2 else []
+            phase2 += [RunSpec("compile", capped=False)] if phase2 else []
             rows += run_all(phase2, args, scale, work, first_index=len(rows)) if phase2 else []
         for r in rows:
             if r["kind"] == "dpcs" and not r.get("capped") and r.get("budget_bytes") and not r.get("lifted"):
@@ -464,7 +503,8 @@ def targets(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Issue 57's targets, read from the rows: under the cap dpcs trains at >= 1.10x the tokens/s of the best
     torch run that fits; at each torch run's reserved peak dpcs's step <= 0.90x torch's; reserved predicted
     within 3%; dpcs's first 3 steps <= 1.3x plain Inductor's."""
-    rows = [r for r in rows if not r.get("history")]
+    explored = [r for r in rows if r.get("explores")]
+    rows = [r for r in rows if not r.get("history") and not r.get("explores")]
     torch_fit = [r for r in rows if r["kind"] != "dpcs" and r.get("capped") and r.get("ok")]
     best = max(torch_fit, key=lambda r: r["tokens_per_s"] or 0, default=None)
     capped_dpcs = [r for r in rows if r["kind"] == "dpcs" and r.get("capped")]
@@ -487,14 +527,23 @@ def targets(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     errors = [abs(r["predicted_reserved_bytes"] / r["peak_reserved_bytes"] - 1) for r in rows
               if r["kind"] == "dpcs" and r.get("ok") and r.get("predicted_reserved_bytes") and r.get("peak_reserved_bytes")]
     result["reserved_prediction_error"] = {"max": max(errors) if errors else None, "holds": bool(errors) and max(errors) <= 0.03}
-    lifted = next((r for r in rows if r.get("lifted") and r.get("ok")), None)
+    lifted = next((r for r in explored if r.get("lifted") and r.get("ok")), None)
     capped = next((r for r in rows if lifted and r.get("ok") and not r.get("lifted") and r["kind"] == "dpcs"
                    and not r.get("capped") and r.get("budget_bytes") == lifted.get("budget_bytes")), None)
     if lifted and capped:  # not a target: what holding reserved bytes to the budget costs a step
         result["cap_cost"] = {"budget_bytes": capped["budget_bytes"], "step_ratio": capped["step_s"] / lifted["step_s"],
                               "reserved_capped": capped["peak_reserved_bytes"], "reserved_lifted": lifted["peak_reserved_bytes"]}
-    plain = next((r for r in rows if r["kind"] == "compile" and r.get("first3_s")), None)
-    firsts = [r["first3_s"] / plain["first3_s"] for r in rows if r["kind"] == "dpcs" and r.get("first3_s") and plain]
+    # Not targets either: the allocator's share of the budget, other than dpcs's, at the same budget.
+    result["slack_explored"] = [{k: r.get(k) for k in ("slack", "budget_bytes", "ok", "error", "step_s", "peak_allocated_bytes",
+                                                       "peak_reserved_bytes")}
+                                | {"alloc_retries": (r.get("memory_stats") or {}).get("num_alloc_retries")}
+                                for r in explored if r.get("slack") is not None]
+
+    def plain(row: dict[str, Any]) -> dict[str, Any] | None:  # plain Inductor compiling beside the run, else any
+        compiles = [r for r in rows if r["kind"] == "compile" and r.get("first3_s")]
+        return next((r for r in compiles if r.get("group") == row.get("group")), compiles[0] if compiles else None)
+
+    firsts = [r["first3_s"] / p["first3_s"] for r in rows if r["kind"] == "dpcs" and r.get("first3_s") and (p := plain(r))]
     result["first3_ratio"] = {"max": max(firsts) if firsts else None, "holds": bool(firsts) and max(firsts) <= 1.3}
     return result
 

@@ -110,7 +110,7 @@ done
 # At the scale people train (issue 57): a 439M-parameter Llama, 16k tokens a step, each strategy in its own process
 # under one 16 GiB cap, then dpcs uncapped at each torch strategy's reserved peak (its runs compile at once and
 # time their steps in turn, on the device lock; about 5 minutes).
-wants scale && step gpu_scale 330 "${G[@]}" $PY benchmarks/gpu_scale.py --out "$W/results" --logs "$W/logs/gpu_scale"
+wants scale && step gpu_scale 330 "${G[@]}" $PY benchmarks/gpu_scale.py --out "$W/results" --logs "$W/logs/gpu_scale" ${SCALE_ARGS:-}
 
 # fp8 against bf16 speed (torchao is not on the machine's image: dpcs's own fp8 linears only).
 wants precision && step precision_speed 120 "${G[@]}" $PY benchmarks/precision_speed.py --device cuda \

@@ -19,7 +19,10 @@ def test_a_run_is_parsed_from_its_name_and_a_bad_one_names_the_valid_forms():
     assert RunSpec.parse("compile+history").history
     assert RunSpec.parse("dpcs@15GiB").strategy == "dpcs@15.00GiB"
     assert RunSpec.parse("dpcs@15GiB+uncapped+lifted").strategy == "dpcs@15.00GiB +lifted"
-    for bad, says in (("amb", "ratio"), ("sac@3GiB", "only dpcs"), ("fast", "valid choices"), ("dpcs+loud", r"\+uncapped")):
+    explored = RunSpec.parse("dpcs@15GiB+uncapped+slack0.05")
+    assert explored.slack == 0.05 and explored.explores and explored.strategy == "dpcs@15.00GiB +slack0.05"
+    for bad, says in (("amb", "ratio"), ("sac@3GiB", "only dpcs"), ("fast", "valid choices"), ("dpcs+loud", r"\+uncapped"),
+                      ("dpcs+slackx", "slackF")):
         with pytest.raises(ValueError, match=says):
             RunSpec.parse(bad)
 
@@ -46,6 +49,8 @@ def test_the_targets_compare_dpcs_with_the_best_torch_run_that_fits_and_at_each_
         _row("dpcs@12.00GiB +lifted", "dpcs", capped=False, step=0.080, reserved=12.4 * GiB, budget=12 * GiB,
              lifted=True),
     ]
+    for row in rows[-1:]:
+        row["explores"] = True
     result = targets(rows)
     assert result["under_cap"] == {"dpcs_ok": True, "best_torch": "amb 0.5", "tokens_ratio": 1.125, "holds": True}
     (pair,) = result["at_torch_peaks"]

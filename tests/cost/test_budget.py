@@ -80,8 +80,9 @@ def test_a_cap_the_user_sets_after_dpcs_is_theirs(monkeypatch):
 
 
 def test_predicted_reserved_is_within_the_cap():
-    assert budget_module.predicted_reserved(1000, 0, expandable=True) == 1012
-    assert budget_module.predicted_reserved(1000, 0, expandable=True, cap=1005) == 1005
+    expected = 1000 + int(budget_module.EXPANDABLE_EXPECTED_FRACTION * 1000)
+    assert budget_module.predicted_reserved(1000, 0, expandable=True) == expected
+    assert budget_module.predicted_reserved(1000, 0, expandable=True, cap=expected - 5) == expected - 5
     assert budget_module.predicted_reserved(1000, 1100, expandable=True) == 1100
 
 
