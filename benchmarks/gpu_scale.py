@@ -539,12 +539,16 @@ def targets(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
                                 | {"alloc_retries": (r.get("memory_stats") or {}).get("num_alloc_retries")}
                                 for r in explored if r.get("slack") is not None]
 
-    def plain(row: dict[str, Any]) -> dict[str, Any] | None:  # plain Inductor compiling beside the run, else any
-        compiles = [r for r in rows if r["kind"] == "compile" and r.get("first3_s")]
-        return next((r for r in compiles if r.get("group") == row.get("group")), compiles[0] if compiles else None)
+    # First three steps against plain Inductor's compiling beside them (as many processes compiling at once); a run
+    # whose group has no plain Inductor run of three steps (it ran out of memory under the cap) has no reference.
+    def plain(row: dict[str, Any]) -> dict[str, Any] | None:
+        return next((r for r in rows if r["kind"] == "compile" and r.get("first3_s") and "group" in r
+                     and r["group"] == row.get("group")), None)
 
-    firsts = [r["first3_s"] / p["first3_s"] for r in rows if r["kind"] == "dpcs" and r.get("first3_s") and (p := plain(r))]
-    result["first3_ratio"] = {"max": max(firsts) if firsts else None, "holds": bool(firsts) and max(firsts) <= 1.3}
+    firsts = {r["strategy"]: r["first3_s"] / p["first3_s"] for r in rows
+              if r["kind"] == "dpcs" and r.get("first3_s") and (p := plain(r))}
+    result["first3_ratio"] = {"max": max(firsts.values()) if firsts else None, "by_run": firsts,
+                              "holds": bool(firsts) and max(firsts.values()) <= 1.3}
     return result
 
 
