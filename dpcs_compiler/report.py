@@ -186,6 +186,7 @@ class StepRecord:
     shapes: int = 1  # step orders planned for together (a data-dependent branch makes several)
     contexts: dict[str, dict[str, Any] | None] = dataclasses.field(default_factory=dict)
     parameter_bytes: int = 0  # the step's parameters (counted once)
+    bucket_bytes: int = 0  # of `outside_bytes`: DistributedDataParallel's gradient buckets
     # The optimizers' state counted through the step (in `outside_bytes`): {"bytes", "chosen"}, and when dpcs
     # chose how the "auto" CompressedOptimizers keep it: "format", "on_host", the seconds it adds, the activation
     # plan's added seconds, and every option weighed ([lever, bytes, seconds]).
@@ -206,17 +207,19 @@ class StepRecord:
     torch_plans: bool = False
 
     def split(self) -> dict[str, int]:
-        """The predicted peak in parts: parameters, optimizer state, other memory alive through the step
+        """The predicted peak in parts: parameters, optimizer state, DistributedDataParallel's gradient buckets,
+        other memory alive through the step
         (gradients of earlier micro-batches, memory measured outside the graphs), the parameter gradients the
         step made that are alive there, activations (everything else the graphs hold there: saved values,
         their inputs and outputs, gradients of activations), and, when the peak is in the optimizer step, what
         that step allocates on top (its temporaries)."""
         state = (self.optimizer_state or {}).get("bytes", 0)
-        other = max(0, self.outside_bytes - state)
+        buckets = min(self.bucket_bytes, max(0, self.outside_bytes - state))
+        other = max(0, self.outside_bytes - state - buckets)
         step = (self.optimizer_bytes or 0) if self.peak_phase == "optimizer" else 0
-        rest = self.predicted_peak_bytes - self.parameter_bytes - state - other - step
+        rest = self.predicted_peak_bytes - self.parameter_bytes - state - buckets - other - step
         gradients = min(self.gradient_bytes, max(0, rest))
-        return {"parameters": self.parameter_bytes, "optimizer_state": state, "outside_graphs": other,
+        return {"parameters": self.parameter_bytes, "optimizer_state": state, "buckets": buckets, "outside_graphs": other,
                 "gradients": gradients, "activations": rest - gradients, "optimizer_step": step}
 
     def to_json(self) -> dict[str, Any]:

@@ -329,6 +329,7 @@ class StepShape:
     # Of `outside_bytes`: gradients from earlier micro-batches that this step's gradients are added into (both
     # alive while its backward runs, one of them once it ended).
     accumulated_bytes: int = 0
+    bucket_bytes: int = 0  # of `outside_bytes`: DistributedDataParallel's gradient buckets (for messages)
     # Per call (empty: none): bytes of its inputs and outputs that its backward does not read and that were freed
     # when its backward started (measured; `StepContext.backward_freed`): its graph's problem counts them there.
     call_backward_freed: tuple[int, ...] = ()

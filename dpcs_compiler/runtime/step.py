@@ -780,6 +780,7 @@ class StepRecorder:
             parameter_bytes=sum(parameters.values()) + (fsdp.shard_bytes if fsdp else 0),
             outside_bytes=sum(gradients.values()) + sum(outside.values()) + (fsdp.gradient_bytes if fsdp else 0),
             accumulated_bytes=sum(gradients.values()) + (fsdp.gradient_bytes if fsdp else 0),
+            bucket_bytes=sum(outside.values()),
             inputs_held_before=tuple(inputs_held_before),
             held_twice=tuple(held_twice),
             call_parameter_bytes=tuple(sum(c.parameters.values()) for c in calls),
@@ -1045,6 +1046,7 @@ class StepRecorder:
             shapes=len(shapes),
             contexts={k: (c.to_json() if c else None) for k, c in plan.contexts.items()},
             parameter_bytes=max(s.parameter_bytes for s in shapes),
+            bucket_bytes=max(s.bucket_bytes for s in shapes),
             optimizer_state=state,
             planning_seconds=time.perf_counter() - started,
             solves=plan.solves,
@@ -1406,6 +1408,7 @@ def _covering(a: StepShape, b: StepShape) -> StepShape:
         # what is held at the end (outside less what the new gradients are added into) at its larger value
         accumulated_bytes=max(a.outside_bytes, b.outside_bytes) - max(a.outside_bytes - a.accumulated_bytes,
                                                                       b.outside_bytes - b.accumulated_bytes),
+        bucket_bytes=max(a.bucket_bytes, b.bucket_bytes),
         optimizer_bytes=max((x for x in (a.optimizer_bytes, b.optimizer_bytes) if x is not None), default=None),
         inputs_held_before=least(a.inputs_held_before, b.inputs_held_before),
         held_twice=least(a.held_twice, b.held_twice),
@@ -1822,9 +1825,11 @@ def _split(record: StepRecord) -> str:
     parts = record.split()
     lever = record.optimizer_state or {}
     kept = f" kept {lever['format']}{' in host memory' if lever.get('on_host') else ''}" if lever.get("chosen") else ""
+    buckets = parts["buckets"]
     return (f"; of it: parameters {format_bytes(parts['parameters'])}, optimizer state{kept} "
-            f"{format_bytes(parts['optimizer_state'])}, other memory alive through the step "
-            f"{format_bytes(parts['outside_graphs'])}, gradients {format_bytes(parts['gradients'])}, activations "
-            f"{format_bytes(parts['activations'])}"
+            f"{format_bytes(parts['optimizer_state'])}, "
+            + (f"DistributedDataParallel's gradient buckets {format_bytes(buckets)}, " if buckets else "")
+            + f"other memory alive through the step {format_bytes(parts['outside_graphs'])}, gradients "
+            f"{format_bytes(parts['gradients'])}, activations {format_bytes(parts['activations'])}"
             + (f", the optimizer step's temporaries {format_bytes(parts['optimizer_step'])}"
                if parts["optimizer_step"] else ""))

@@ -6,6 +6,8 @@ ddp: `LayerNormStack` wrapped in DistributedDataParallel with 2 MB buckets (DDPO
     several), compiled with dpcs under BUDGET bytes; each rank takes its half of a global batch. After the
     step plan is in place, one step is measured with the profiler; its absolute peak counts the parameters,
     the input and DDP's gradient buckets (allocated when DDP was made, so invisible to the profiler).
+ddp_unreachable:COMPILER: an MLP whose peak is parameters, gradients and 1 MB buckets, under a budget no
+    activation plan meets, with dpcs's default options (only the compiler set).
 fsdp: the same stack with `fully_shard` on each block, then on the root (FSDP2; Dynamo compiles one graph per
     block, the first apart, the rest one graph called five times). The absolute peak counts this rank's
     parameter shards and the input; each block's gathered parameters are allocated inside the step.
@@ -96,6 +98,46 @@ def fsdp(rank: int, world: int, budget: int) -> dict:
     }
 
 
+class ParameterMLP(torch.nn.Module):
+    """Six 512-wide linear layers on 16 rows: the step's peak is parameters, gradients and DDP's buckets."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(512, 512) for _ in range(6))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+def ddp_unreachable(rank: int, world: int, budget: int, compiler: str) -> dict:
+    """DDP with 1 MB buckets under `budget`, default options but the compiler: the step at which dpcs raised, and
+    what it said (or the measured peak if it did not)."""
+    from dpcs_compiler.stages.job import BudgetInfeasibleError
+
+    torch.manual_seed(0)
+    model = ParameterMLP()
+    wrapped = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
+    options = {"compiler": compiler, **({"memory_budget": budget} if budget else {})}
+    compiled = torch.compile(wrapped, backend="dpcs", options=options)
+    x = torch.randn(16, 512, generator=torch.Generator().manual_seed(rank))
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        compiled(x).square().mean().backward()
+
+    for i in range(WARMUP_STEPS):
+        try:
+            step()
+        except BudgetInfeasibleError as error:
+            return {"raised_at": i, "message": str(error)}
+    buckets = sum(p.numel() * p.element_size() for p in model.parameters())  # one flat copy of every gradient
+    model.zero_grad(set_to_none=True)
+    _, peak = measure_peak_memory(step)
+    return {"raised_at": None, "measured_peak": peak.absolute(resident_bytes([*model.parameters(), x]) + buckets)}
+
+
 def main() -> None:
     report_crashes()
     rank, world, store, scenario, budget, result = sys.argv[1:7]
@@ -103,7 +145,10 @@ def main() -> None:
     join(store, rank, world)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = {"ddp": ddp, "fsdp": fsdp}[scenario](rank, world, int(budget))
+        if scenario.startswith("ddp_unreachable:"):  # ddp_unreachable:COMPILER
+            out = ddp_unreachable(rank, world, int(budget), scenario.partition(":")[2])
+        else:
+            out = {"ddp": ddp, "fsdp": fsdp}[scenario](rank, world, int(budget))
     torch.save(out, result)
     leave()
 

@@ -9,9 +9,11 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from dpcs_testing import run_rank_processes
+from dpcs_compiler.debug.render import format_bytes
 from dpcs_compiler.cost.budget import CORRECTION_MIN_BYTES, CORRECTION_MIN_FRACTION
 from step_scenarios import LayerNormStack, global_batch
 
@@ -84,3 +86,29 @@ def test_fsdp2_blocks_count_their_gathered_parameters_and_hold_the_step_budget(t
     for got_zero, got_one, expected in zip(zero["grads"], one["grads"], (p.grad for p in model.parameters())):
         assert torch.equal(got_zero, got_one)
         torch.testing.assert_close(got_zero, expected, atol=1e-5, rtol=1e-4)
+
+
+def _unreachable(tmp_path: Path, compiler: str) -> None:
+    """DDP at 0.8x the step's no-budget peak, which parameters, gradients and DDP's buckets nearly fill: every
+    rank raises at the same step, with the smallest peak and its parts, buckets named (issue 58, case 2)."""
+    for sub in ("free", "budget"):
+        (tmp_path / sub).mkdir()
+    (unplanned, _) = (r["measured_peak"] for r in run_ranks(tmp_path / "free", f"ddp_unreachable:{compiler}", 0))
+    budget = int(0.8 * unplanned)
+    zero, one = run_ranks(tmp_path / "budget", f"ddp_unreachable:{compiler}", budget)
+    print(zero)
+    assert zero["raised_at"] is not None and zero["raised_at"] == one["raised_at"], (zero, one)
+    message = zero["message"]
+    assert "cannot be met for the training step" in message and "the smallest step peak dpcs can reach" in message
+    buckets = 6 * (512 * 512 + 512) * 4
+    assert f"DistributedDataParallel's gradient buckets {format_bytes(buckets)}" in message, message
+    assert one["message"].split("; of it")[0] == message.split("; of it")[0]  # the same verdict on both ranks
+
+
+def test_ddp_budget_below_its_parameters_gradients_and_buckets_is_refused_on_every_rank(tmp_path):
+    _unreachable(tmp_path, "eager")
+
+
+@pytest.mark.inductor
+def test_ddp_unreachable_budget_is_refused_under_inductor_too(tmp_path):
+    _unreachable(tmp_path, "inductor")
