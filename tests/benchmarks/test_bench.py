@@ -53,6 +53,7 @@ def quick_run(tmp_path_factory, bench):
     return status, out
 
 
+@pytest.mark.slow
 def test_quick_run_writes_results(quick_run):
     status, out = quick_run
     assert status == 0
@@ -82,6 +83,7 @@ def test_quick_run_writes_results(quick_run):
     assert all(r["recompiles_while_timing"] == 0 for r in results.values() if r.get("step_s") is not None)
 
 
+@pytest.mark.slow
 def test_quick_run_dpcs_points(quick_run):
     """Each dpcs budget ran (peak, time, records) or failed with its error recorded; the budgets are the
     distinct upstream peaks of eager_ac and the compiled strategies, then 0.7x of the lowest (several fractions:

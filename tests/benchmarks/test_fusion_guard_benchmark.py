@@ -11,6 +11,7 @@ from dpcs_testing import benchmark_script
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 @pytest.mark.inductor
 def test_variants_compile_apart_and_the_schedules_choice_is_never_higher(tmp_path):
     with benchmark_script("fusion_guard") as fusion_guard:

@@ -9,6 +9,7 @@ import pytest
 from dpcs_testing import load_benchmark
 
 
+@pytest.mark.slow
 @pytest.mark.inductor
 def test_each_lowering_compiles_its_own_graphs_and_dpcs_holds_the_budget_at_the_guards_peak(tmp_path, monkeypatch):
     """At 0.72 of compile's peak the tiny GPT's plan has less room to spare than the measurement tolerance (run

@@ -37,6 +37,7 @@ def quick_run(tmp_path_factory, precision_speed):
     return status, out
 
 
+@pytest.mark.slow
 def test_quick_run_writes_results(quick_run):
     status, out = quick_run
     assert status == 0
@@ -64,6 +65,7 @@ def test_quick_run_writes_results(quick_run):
     assert fp8["meets_target"] == (fp8["ratio_vs_bf16"] >= payload["target_ratio_vs_bf16"])
 
 
+@pytest.mark.slow
 def test_quick_run_torchao(quick_run):
     """Without torchao the strategy is skipped with the reason, not an error; with it, it ran and converted
     the same linears dpcs made fp8."""

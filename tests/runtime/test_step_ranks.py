@@ -109,6 +109,7 @@ def test_ddp_budget_below_its_parameters_gradients_and_buckets_is_refused_on_eve
     _unreachable(tmp_path, "eager")
 
 
+@pytest.mark.slow
 @pytest.mark.inductor
 def test_ddp_unreachable_budget_is_refused_under_inductor_too(tmp_path):
     _unreachable(tmp_path, "inductor")
