@@ -185,36 +185,56 @@ def test_both_sides_of_a_data_dependent_branch_hold_the_budget(step_range):
     assert max(peaks) <= budget, (peaks, budget)
 
 
-def test_dynamic_sequence_lengths_each_hold_the_budget():
-    """Compiled at length 64 with dynamic shapes, trained at 64, 128 and 256: each length runs a plan made
-    for its size bucket (the plan traced at 64 keeps everything, 50.8 MB at 256, over this budget)."""
+DYNAMIC_LENGTHS = (64, 128, 256)
+
+
+def _dynamic_batch(length):
+    idx = torch.randint(0, 512, (8, length), generator=torch.Generator().manual_seed(length))
+    return idx, torch.roll(idx, -1, 1)
+
+
+def _dynamic_peaks(**options):
+    """MiniGPT compiled at length 64 with dynamic shapes, two steps at each of 64, 128 and 256, then one step at
+    each measured: ({length: measured peak}, the model, the compiled model)."""
     from dpcs_compiler.models import GPTConfig, MiniGPT
 
+    torch._dynamo.reset()
+    clear_compile_records()
     torch.manual_seed(0)
     model = MiniGPT(GPTConfig(block_size=256, layers=2))
-    budget = 35_000_000
-    compiled = torch.compile(
-        model, backend="dpcs", dynamic=True, options={"compiler": "eager", "strict": True, "memory_budget": budget}
-    )
-
-    def batch(length):
-        idx = torch.randint(0, 512, (8, length), generator=torch.Generator().manual_seed(length))
-        return idx, torch.roll(idx, -1, 1)
+    compiled = torch.compile(model, backend="dpcs", dynamic=True, options=options)
 
     def step(idx, targets):
         model.zero_grad(set_to_none=True)
         compiled(idx, targets).backward()
 
-    lengths = (64, 128, 256)
-    for length in lengths:
+    for length in DYNAMIC_LENGTHS:
         for _ in range(2):
-            step(*batch(length))
+            step(*_dynamic_batch(length))
     peaks = {}
-    for length in lengths:
-        idx, targets = batch(length)
+    for length in DYNAMIC_LENGTHS:
+        idx, targets = _dynamic_batch(length)
         model.zero_grad(set_to_none=True)
         _, peak = measure_peak_memory(step, idx, targets)
         peaks[length] = peak.absolute(resident_bytes([*model.parameters(), idx, targets]))
+    return peaks, model, compiled
+
+
+def _assert_gradients_at_256_equal_eager(model, compiled):
+    idx, targets = _dynamic_batch(256)
+    model.zero_grad(set_to_none=True)
+    compiled(idx, targets).backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    model(idx, targets).backward()
+    torch.testing.assert_close(got, {n: p.grad for n, p in model.named_parameters()}, atol=1e-5, rtol=1e-4)
+
+
+def test_dynamic_sequence_lengths_each_hold_the_budget():
+    """Compiled at length 64 with dynamic shapes, trained at 64, 128 and 256: each length runs a plan made
+    for its size bucket (the plan traced at 64 keeps everything, 50.8 MB at 256, over this budget)."""
+    budget = 35_000_000
+    peaks, model, compiled = _dynamic_peaks(compiler="eager", strict=True, memory_budget=budget)
     print(f"budget {budget} B: measured {peaks}")
     assert all(p <= budget for p in peaks.values()), peaks
     training = [r for r in compile_records() if r.mode == "training"]
@@ -223,13 +243,24 @@ def test_dynamic_sequence_lengths_each_hold_the_budget():
     # At 64 nothing presses: torch's own partition; at 256 dpcs recomputes.
     assert training[0].solver == TORCH_SOLVER and training[-1].solver != TORCH_SOLVER
     assert training[-1].recomputed_values > 0
-    # Gradients at the longest length equal eager's.
-    idx, targets = batch(256)
-    step(idx, targets)
-    got = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    model(idx, targets).backward()
-    torch.testing.assert_close(got, {n: p.grad for n, p in model.named_parameters()}, atol=1e-5, rtol=1e-4)
+    _assert_gradients_at_256_equal_eager(model, compiled)
+
+
+@pytest.mark.slow
+@pytest.mark.inductor
+def test_dynamic_sequence_lengths_hold_a_budget_under_inductor():
+    """Issue 58, case 1: the same under Inductor with dpcs's default options, at 0.8x the step's peak at 256
+    without a budget (measured 9% over before: Inductor's kernels for the 256 bucket held more than planned)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        unplanned, _, _ = _dynamic_peaks(compiler="inductor")
+        budget = int(0.8 * unplanned[256])
+        peaks, model, compiled = _dynamic_peaks(compiler="inductor", memory_budget=budget)
+    predicted = step_records()[-1].predicted_peak_bytes
+    print(f"without a budget {unplanned}; budget {budget} B: measured {peaks}, the step at 256 predicted {predicted} B")
+    assert all(p <= budget for p in peaks.values()), peaks
+    assert any(r.recomputed_values for r in compile_records() if r.mode == "training" and r.compiler == "inductor")
+    _assert_gradients_at_256_equal_eager(model, compiled)
 
 
 @pytest.mark.inductor
