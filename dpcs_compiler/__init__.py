@@ -21,6 +21,7 @@ __version__ = "0.1.0"
 # Public name -> the module that defines it.
 _EXPORTS = {
     "DpcsFallbackWarning": "dpcs_compiler.backend",
+    "DpcsWarning": "dpcs_compiler.diagnostics",
     "dpcs_backend": "dpcs_compiler.backend",
     "PeakMemory": "dpcs_compiler.measure",
     "measure_peak_memory": "dpcs_compiler.measure",
@@ -38,6 +39,7 @@ __all__ = [
     "CompileRecord",
     "CompressedOptimizer",
     "DpcsFallbackWarning",
+    "DpcsWarning",
     "DpcsOptions",
     "MemoryPolicy",
     "MemoryPolicyConfig",

@@ -24,6 +24,7 @@ from torch._dynamo.exc import RestartAnalysis, ShortenTraceback, SkipFrame
 
 from dpcs_compiler.debug import progress
 from dpcs_compiler.debug.dump import write_summary
+from dpcs_compiler.diagnostics import DpcsWarning
 from dpcs_compiler.options import DpcsOptions
 from dpcs_compiler.pipeline import compile_graph
 from dpcs_compiler.rank_agreement import RankDisagreementError
@@ -35,7 +36,7 @@ from dpcs_compiler.stages.job import BudgetInfeasibleError, PlanningError
 log = logging.getLogger("dpcs.backend")
 
 
-class DpcsFallbackWarning(UserWarning):
+class DpcsFallbackWarning(DpcsWarning):
     """A graph could not go through dpcs and was compiled by plain Inductor instead."""
 
 

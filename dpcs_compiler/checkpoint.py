@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from dpcs_compiler import rank_agreement
+from dpcs_compiler.diagnostics import DpcsWarning
 
 log = logging.getLogger("dpcs.checkpoint")
 
@@ -250,7 +251,7 @@ def resume(directory: str | os.PathLike, *, model: torch.nn.Module | None = None
 
     chosen, skipped = _on_rank_zero(choose, "checkpoint to resume from")
     for message in skipped:
-        warnings.warn(message, stacklevel=2)
+        warnings.warn(message, category=DpcsWarning, stacklevel=2)
     if chosen is None:
         return None
     path = Path(chosen)

@@ -23,6 +23,8 @@ import warnings
 
 import torch
 
+from dpcs_compiler.diagnostics import DpcsWarning
+
 AUTO_MARGIN_FRACTION = 0.05  # of total device memory, kept free under "auto"
 # Of the budget, left for memory kernels allocate inside themselves, which no graph shows: measured, CPU
 # convolution_backward's internal copy (72 KB on a 65 MiB conv-net step); on CUDA, cuDNN/cuBLAS workspaces.
@@ -96,7 +98,8 @@ def use_expandable_segments() -> bool:
         warnings.warn(
             "dpcs: PYTORCH_CUDA_ALLOC_CONF sets max_split_size_mb, so dpcs leaves expandable segments off (the two "
             "together make reserved memory grow without bound, pytorch#123548); the budget keeps "
-            f"{SEGMENTED_SLACK_FRACTION:.0%} of itself for the allocator's fragmentation", stacklevel=2)
+            f"{SEGMENTED_SLACK_FRACTION:.0%} of itself for the allocator's fragmentation",
+            category=DpcsWarning, stacklevel=2)
         on = False
     else:
         setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from dpcs_compiler.checkpoint import _write_synced
+from dpcs_compiler.diagnostics import DpcsWarning
 from dpcs_compiler.options import DpcsOptions
 from dpcs_compiler.runtime.policies import Policy, config_from
 from dpcs_compiler.runtime.runtime import Runtime, RuntimeConfig
@@ -186,7 +187,7 @@ class DpcsCallback(TrainerCallback):
             warnings.warn(
                 "TrainingArguments(gradient_checkpointing=True) recomputes every block whatever dpcs plans; with a "
                 "dpcs memory_budget leave it off and let the plan choose what to recompute",
-                stacklevel=2,
+                category=DpcsWarning, stacklevel=2,
             )
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: torch.nn.Module | None = None, **kwargs: Any) -> None:
@@ -241,7 +242,7 @@ class DpcsCallback(TrainerCallback):
             warnings.warn(
                 f"DpcsCallback: resuming at step {state.global_step} without a saved Runtime state ({path}); "
                 "its policies start afresh",
-                stacklevel=2,
+                category=DpcsWarning, stacklevel=2,
             )
             return
         with open(path, encoding="utf-8") as saved:

@@ -42,6 +42,7 @@ import torch
 from dpcs_compiler import rank_agreement
 from dpcs_compiler.cost.calibration import StepFit, StepSample, fit_step_calibration
 from dpcs_compiler.cost.profiles import resolve_profile
+from dpcs_compiler.diagnostics import DpcsWarning
 from dpcs_compiler.ops import offload_ops  # noqa: F401  (times its ops in a CUDA profile measured here)
 from dpcs_compiler.options import parse_memory_budget
 from dpcs_compiler.report import compile_count
@@ -237,7 +238,7 @@ class Runtime:
             warnings.warn(
                 "dpcs Runtime: no graph compiled with backend='dpcs' takes this model's parameters, so its decisions "
                 "change nothing; pass the module you compiled (or its parameters' owner) to Runtime",
-                stacklevel=2,
+                category=DpcsWarning, stacklevel=2,
             )
         if self._launched_at is not None and self.step_count >= self._launched_at + self.collector.lag:
             self._launched_at = None

@@ -71,6 +71,7 @@ from dpcs_compiler.cost.step_model import (
     with_offloaded,
 )
 from dpcs_compiler.debug.render import format_bytes
+from dpcs_compiler.diagnostics import DpcsWarning
 from dpcs_compiler.heap import paused_collector
 from dpcs_compiler.passes.analysis.planning import Freeable, StepSharing
 from dpcs_compiler.measure import BEFORE_PROFILING, CpuMemoryProfile, CudaMemoryTrace, optimizer_state_bytes
@@ -1005,7 +1006,7 @@ class StepRecorder:
                 warnings.warn(
                     f"dpcs cannot plan the training step of {len(dispatchers)} graphs for one budget: {name} has no "
                     "memory plan to re-make (it fell back, or is not a training graph); each graph keeps its own plan",
-                    stacklevel=5,
+                    category=DpcsWarning, stacklevel=5,
                 )
                 return None, None, None
             graphs[name], current[name] = step_graph
@@ -1470,7 +1471,7 @@ def _say_infeasible(message: str, dispatchers: Iterable[GraphDispatcher]) -> Non
     graphs asks for one, else a warning (from the step planner, called in a graph's first call of the step)."""
     if any(d.options.on_infeasible == "error" for d in dispatchers):
         raise BudgetInfeasibleError(f"{message}; raise the budget, or pass on_infeasible='best' to compile that plan")
-    warnings.warn(f"{message}; compiling that plan (on_infeasible='best')", stacklevel=5)
+    warnings.warn(f"{message}; compiling that plan (on_infeasible='best')", category=DpcsWarning, stacklevel=5)
 
 
 def warn_verdicts_never_given() -> list[str]:
@@ -1481,7 +1482,7 @@ def warn_verdicts_never_given() -> list[str]:
     left = [r.infeasible_deferred for r in compile_records() if r.infeasible_deferred]
     for message in left:
         warnings.warn(f"{message}, unless the step dropped the graph's outputs before its backward; the verdict waited "
-                      "for the step's plan at the second step, which never ran", stacklevel=1)
+                      "for the step's plan at the second step, which never ran", category=DpcsWarning, stacklevel=1)
     return left
 
 

@@ -38,6 +38,7 @@ import torch.fx as fx
 
 from dpcs_compiler.cost.op_time import Calibration
 from dpcs_compiler.cost.step_model import StepContext
+from dpcs_compiler.diagnostics import DpcsWarning
 from dpcs_compiler.options import DpcsOptions, Fp8Options
 from dpcs_compiler.passes.analysis.op_sites import module_stack
 from dpcs_compiler.passes.infra import copy_graph_module
@@ -456,7 +457,7 @@ class GraphDispatcher:
                 f"dpcs could not compile {self.name} for the runtime's decisions "
                 f"({self.control.decisions.describe() if self.control.decisions else 'compile options'}): "
                 f"{type(error).__name__}: {error}; it keeps running its current variant",
-                stacklevel=3,
+                category=DpcsWarning, stacklevel=3,
             )
         self._version = -1 if self._first_call else version  # until the first real call, look again
 

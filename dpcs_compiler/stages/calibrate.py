@@ -29,6 +29,7 @@ from dpcs_compiler import rank_agreement
 from dpcs_compiler.cost.calibration import fit_calibration, measure_op_samples
 from dpcs_compiler.cost.hardware import HardwareProfile, _plain_dispatch
 from dpcs_compiler.cost.op_time import Calibration
+from dpcs_compiler.diagnostics import DpcsWarning
 from dpcs_compiler.stages.job import GraphJob, has_symbolic_shapes
 from dpcs_compiler.types import NodeCost
 
@@ -54,7 +55,7 @@ def graph_calibration(
     """The calibration `joint` is planned with (None: the profile's roofline, and why is warned)."""
     if has_symbolic_shapes(joint):
         warnings.warn(f"dpcs calibrate: {job.record.graph} has dynamic shapes; planned with the profile's roofline",
-                      stacklevel=3)
+                      category=DpcsWarning, stacklevel=3)
         return None
     key = (job.graph_fingerprint, profile_hash, job.options.size_hints)
     if key not in _FITS:
@@ -67,7 +68,7 @@ def graph_calibration(
             warnings.warn(
                 f"dpcs calibrate: could not time the ops of {job.record.graph} ({type(error).__name__}: {error}); "
                 "planned with the profile's roofline",
-                stacklevel=3,
+                category=DpcsWarning, stacklevel=3,
             )
             return None
     fit = _FITS[key]

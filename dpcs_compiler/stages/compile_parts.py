@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from dpcs_compiler.diagnostics import DpcsWarning
 from dpcs_compiler.options import DpcsOptions
 from dpcs_compiler.passes.analysis import Schedule, memory_timeline, op_cost
 from dpcs_compiler.passes.analysis.inductor_schedule import (
@@ -125,7 +126,7 @@ class PartCompiler:
             warnings.warn(
                 f"dpcs {kind} stage failed for {job.record.graph}; compiling its {kind} graph without it: "
                 f"{type(error).__name__}: {error} (dump folder: {job.record.dump_dir or 'none (set dump_dir)'})",
-                stacklevel=2,
+                category=DpcsWarning, stacklevel=2,
             )
             with contextlib.suppress(Exception):  # the summary is best effort here: the dump may be what failed
                 job.finish()
@@ -167,7 +168,7 @@ class PartCompiler:
                 warnings.warn(
                     f"dpcs could not schedule the candidate backwards of {self.job.record.graph} "
                     f"({type(error).__name__}: {error}); compiling autograd's order",
-                    stacklevel=2,
+                    category=DpcsWarning, stacklevel=2,
                 )
                 compiled = None
             if compiled is not None:  # the last candidate scheduled was the preferred, compiled as it was
@@ -234,13 +235,14 @@ class PartCompiler:
             warnings.warn(
                 "this torch's Inductor has no post-fusion scheduler hook (config._post_fusion_custom_pass): dpcs "
                 "holds the partitioned FX graphs to memory_budget, not the schedule Inductor generates",
-                stacklevel=2,
+                category=DpcsWarning, stacklevel=2,
             )
         elif probe.errors:
             message = f"dpcs could not read Inductor's schedule of the {kind} graph of {self.job.record.graph}"
             if self.job.options.strict:
                 raise RuntimeError(f"{message}: {probe.errors[0]}")
-            warnings.warn(f"{message} ({probe.errors[0]}): holding the partitioned graphs to the budget", stacklevel=2)
+            warnings.warn(f"{message} ({probe.errors[0]}): holding the partitioned graphs to the budget",
+                          category=DpcsWarning, stacklevel=2)
             self.job.hold_to_budget(dict(self.job.partition_excess), "its partitioned graphs")
         elif probe.peaks:
             graph = max(probe.peaks, key=lambda p: p.kernels)  # the graph itself, not a subgraph

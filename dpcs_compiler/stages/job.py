@@ -22,6 +22,7 @@ from dpcs_compiler.debug.progress import PassProgress
 from dpcs_compiler.cost.hardware import ResolvedProfile
 from dpcs_compiler.cost.memory_model import SAVE, MemoryProblem, plan_memory
 from dpcs_compiler.cost.profiles import resolve_profile
+from dpcs_compiler.diagnostics import DpcsWarning
 from dpcs_compiler.ops import offload_ops  # noqa: F401  (times its ops in a CUDA profile measured here)
 from dpcs_compiler.cost.step_model import GraphStep, TorchLevels, in_step, recomputed_names
 from dpcs_compiler.debug.render import format_bytes
@@ -344,7 +345,7 @@ class GraphJob:
             return
         if self.options.on_infeasible == "error":
             raise BudgetInfeasibleError(f"{message}; raise the budget, or pass on_infeasible='best' to compile it")
-        warnings.warn(f"{message}; compiling it (on_infeasible='best')", stacklevel=2)
+        warnings.warn(f"{message}; compiling it (on_infeasible='best')", category=DpcsWarning, stacklevel=2)
 
     def peak_with(self, excess: dict[str, int]) -> int:
         """The plan's peak in its step with `excess` (bytes per phase beyond the plan model, as `hold_to_budget`

@@ -30,6 +30,7 @@ from dpcs_compiler.cost.calibration import recompute_terms
 from dpcs_compiler.cost.op_time import combine_seconds, offload_ops_seconds, roofline_terms, transfer_seconds
 from dpcs_compiler.cost.step_model import StepContext, TorchLevels, in_step, least_held_cap
 from dpcs_compiler.debug.render import format_bytes
+from dpcs_compiler.diagnostics import DpcsWarning
 from dpcs_compiler.passes.analysis import op_cost
 from dpcs_compiler.passes.analysis.inductor_schedule import probe_available
 from dpcs_compiler.passes.analysis.tensor_bytes import size_hints
@@ -211,7 +212,7 @@ def _step_view(job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: int, devic
             raise
         warnings.warn(f"dpcs could not build {job.record.graph} as {compiler} will run it ({type(error).__name__}: "
                       f"{error}): its step is planned with its {job.options.compiler} graph, which can hold more",
-                      stacklevel=2)
+                      category=DpcsWarning, stacklevel=2)
         return None
     partition = None
     if torch_levels is not None:
@@ -239,7 +240,7 @@ def _view_torch_levels(job: GraphJob, joint: fx.GraphModule, view: _PlanningView
             raise
         warnings.warn(f"dpcs could not make torch's partition of {job.record.graph} as {compiler} will run it "
                       f"({type(error).__name__}: {error}): its step keeps torch's partitions only where plans "
-                      "saving everything fit", stacklevel=2)
+                      "saving everything fit", category=DpcsWarning, stacklevel=2)
         return None
 
 
@@ -469,7 +470,7 @@ def plan_memory_budget(
                 + (f" (plan: {record.dump_dir}/plan.json)" if record.dump_dir else "")
             )
         else:
-            warnings.warn(f"{message}; compiling that plan (on_infeasible='best')", stacklevel=2)
+            warnings.warn(f"{message}; compiling that plan (on_infeasible='best')", category=DpcsWarning, stacklevel=2)
     log.info(
         "%s: budget %d B, plan peak %d B (%s), %d recomputed, %d offloaded",
         record.graph, budget, solution.peak_bytes, "fits" if solution.feasible else "over",

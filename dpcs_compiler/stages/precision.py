@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 import torch.fx as fx
 
+from dpcs_compiler.diagnostics import DpcsWarning
 from dpcs_compiler.ops.fp8 import scaled_mm_supported
 from dpcs_compiler.options import DpcsOptions
 from dpcs_compiler.passes.analysis.op_sites import op_sites
@@ -50,7 +51,7 @@ def plan_precision_stage(job: GraphJob, gm: fx.GraphModule) -> None:
                 warnings.warn(
                     f"torch._scaled_mm does not run the {options.fp8.recipe} fp8 recipe on {device}: dpcs emulates the "
                     "fp8 matmuls exactly in fp32 (same numerics, no speedup; fp8 matmuls need CUDA sm89 or newer)",
-                    stacklevel=2,
+                    category=DpcsWarning, stacklevel=2,
                 )
         ops, linears = plan_precision(
             sites, precision=options.precision, keep_fp32=options.keep_fp32, fp8=options.fp8, fp8_matmul=matmul,
@@ -78,5 +79,5 @@ def warn_unmatched_patterns(sites: Sequence[OpSite], options: DpcsOptions) -> No
             warnings.warn(
                 f"dpcs option {option!r} pattern {pattern!r} matches no module of this graph; its modules are "
                 f"named as model.named_modules() names them, e.g. {sorted(modules - {''})[:5]}",
-                stacklevel=3,
+                category=DpcsWarning, stacklevel=3,
             )

@@ -47,6 +47,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from dpcs_compiler.diagnostics import DpcsWarning
 from dpcs_compiler.passes.analysis.tensor_bytes import hint_int
 
 log = logging.getLogger("dpcs.passes")
@@ -304,7 +305,8 @@ def _measure_in_this_thread(signatures: list[OpSignature]) -> dict[OpSignature, 
     if torch._C._autograd._profiler_enabled():  # a profiler that follows every thread
         if not _warned_busy:
             warnings.warn("dpcs: a profiler is running, so kernels' own workspace is not measured: the plan's "
-                          "predicted peak leaves it out (conv nets on CPU peak higher than predicted)", stacklevel=3)
+                          "predicted peak leaves it out (conv nets on CPU peak higher than predicted)",
+                          category=DpcsWarning, stacklevel=3)
             _warned_busy = True
         return {s: 0 for s in signatures}
     found = {}
