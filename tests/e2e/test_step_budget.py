@@ -482,7 +482,7 @@ def contrastive_loss(z: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(z @ z.T, torch.arange(z.shape[0]))
 
 
-@pytest.mark.parametrize("fraction", [0.1, 0.5])
+@pytest.mark.parametrize("fraction", [0.1, pytest.param(0.5, marks=pytest.mark.slow)])
 def test_a_loss_in_eager_code_is_measured_and_counted_at_the_steps_turn(fraction):
     """The graph's own plan fits the budget but the step does not: the eager loss allocates 48 MB between the
     forward and the backward, which no graph shows. The recorder measures a step (the profiler on CPU),
