@@ -220,13 +220,13 @@ def _dynamic_peaks(**options):
     return peaks, model, compiled
 
 
-def _assert_gradients_at_256_equal_eager(model, compiled):
-    idx, targets = _dynamic_batch(256)
+def _assert_gradients_equal_eager(model, compiled, *inputs):
+    """A step of `compiled` (a model returning its loss) on `inputs` leaves eager's gradients."""
     model.zero_grad(set_to_none=True)
-    compiled(idx, targets).backward()
+    compiled(*inputs).backward()
     got = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    model(idx, targets).backward()
+    model(*inputs).backward()
     torch.testing.assert_close(got, {n: p.grad for n, p in model.named_parameters()}, atol=1e-5, rtol=1e-4)
 
 
@@ -243,7 +243,7 @@ def test_dynamic_sequence_lengths_each_hold_the_budget():
     # At 64 nothing presses: torch's own partition; at 256 dpcs recomputes.
     assert training[0].solver == TORCH_SOLVER and training[-1].solver != TORCH_SOLVER
     assert training[-1].recomputed_values > 0
-    _assert_gradients_at_256_equal_eager(model, compiled)
+    _assert_gradients_equal_eager(model, compiled, *_dynamic_batch(256))
 
 
 @pytest.mark.slow
@@ -260,7 +260,7 @@ def test_dynamic_sequence_lengths_hold_a_budget_under_inductor():
     print(f"without a budget {unplanned}; budget {budget} B: measured {peaks}, the step at 256 predicted {predicted} B")
     assert all(p <= budget for p in peaks.values()), peaks
     assert any(r.recomputed_values for r in compile_records() if r.mode == "training" and r.compiler == "inductor")
-    _assert_gradients_at_256_equal_eager(model, compiled)
+    _assert_gradients_equal_eager(model, compiled, *_dynamic_batch(256))
 
 
 @pytest.mark.inductor
@@ -582,12 +582,7 @@ def test_logits_freed_between_two_graphs_are_not_counted_in_their_backwards():
         body, loss = (record.contexts[g] for g in record.calls)
         assert body["backward_freed"] >= logits_bytes and loss["backward_freed"] >= logits_bytes
         assert loss["keep_saved"]  # the log-softmax output, whose recomputation reads the logits
-    model.zero_grad(set_to_none=True)
-    compiled(x, y).backward()
-    got = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    model(x, y).backward()
-    torch.testing.assert_close(got, {n: p.grad for n, p in model.named_parameters()}, atol=1e-5, rtol=1e-4)
+    _assert_gradients_equal_eager(model, compiled, x, y)
 
 
 def measured_steps(model, step, baseline, n, **options):
