@@ -18,7 +18,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dpcs_testing import COMPILERS, assert_gradients_match_eager, backward_lowerings, dpcs_compile, lowerings_expected, measured_step, reachable_range
+from dpcs_compiler.diagnostics import DpcsWarning
+from dpcs_testing import (
+    COMPILERS,
+    allowing_best_plan,
+    assert_gradients_match_eager,
+    backward_lowerings,
+    dpcs_compile,
+    lowerings_expected,
+    measured_step,
+    reachable_range,
+)
 from dpcs_compiler import clear_compile_records, compile_records
 from dpcs_compiler.cost.budget import WORKSPACE_FRACTION, measurement_tolerance, planning_target
 from dpcs_compiler.stages.job import BudgetInfeasibleError
@@ -79,7 +89,8 @@ def test_planned_steps_match_unplanned_numerics_with_dropout(compiler):
         torch._dynamo.reset()
         clear_compile_records()
         compiled = dpcs_compile(w.model, compiler, memory_budget=budget, on_infeasible="best")
-        loss, grads = step_gradients(w.model, compiled, w.inputs, w.loss_fn)
+        with allowing_best_plan():  # the lowest of them is below what the step reaches
+            loss, grads = step_gradients(w.model, compiled, w.inputs, w.loss_fn)
         (record,) = compile_records()
         torch.testing.assert_close(loss, expected[0], msg=f"loss at budget {budget}")
         torch.testing.assert_close(grads, expected[1], msg=f"gradients at budget {budget}")
@@ -399,7 +410,7 @@ def test_an_unreadable_inductor_schedule_falls_back_to_the_partitioned_graphs(mo
     monkeypatch.setattr(module, "scheduled_peak", broken)
     w = gpt_workload()
     compiled = dpcs_compile(w.model, "inductor", memory_budget="1GiB", strict=False)
-    with pytest.warns(UserWarning, match="could not read Inductor's schedule of the forward graph"):
+    with pytest.warns(DpcsWarning, match="could not read Inductor's schedule of the (forward|backward) graph"):
         w.loss_fn(compiled(*w.inputs)).backward()
     (record,) = compile_records()
     assert record.plan_feasible and record.forward_schedule_excess_bytes is None
