@@ -334,7 +334,7 @@ def inflate(monkeypatch, kind: str, extra: int) -> None:
     monkeypatch.setattr(PhaseLevels, "of", staticmethod(inflated_levels))
 
 
-@pytest.mark.parametrize("compiler", COMPILERS)
+@pytest.mark.parametrize("compiler", ["eager", pytest.param("inductor", marks=[pytest.mark.slow, pytest.mark.inductor])])
 def test_compiled_graphs_over_the_plan_are_planned_again(monkeypatch, compiler):
     w = gpt_workload()
     low, high = reachable_range(w, compiler)
