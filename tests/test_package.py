@@ -25,7 +25,7 @@ def test_every_public_name_and_submodule_resolves():
     assert dpcs_compiler.Runtime is dpcs_compiler.runtime.Runtime
     from dpcs_compiler import checkpoint, cli, dpcs_backend  # noqa: F401  (submodules and names alike)
 
-    assert callable(dpcs_compiler.report.step_records)  # a submodule by attribute, as README shows it
+    assert callable(dpcs_compiler.report.step_records)  # a submodule by attribute, as docs/tooling.md shows it
     assert set(dir(dpcs_compiler)) >= set(dpcs_compiler.__all__)
 
 

@@ -1,4 +1,5 @@
-"""Every code block in README.md runs. Each fenced block is marked, on the line before it, with what runs it:
+"""Every code block in README.md and in the pages of docs/ (and benchmarks/results/README.md) runs. Each fenced
+block is marked, on the line before it, with what runs it:
 
 - `<!-- twin: examples/readme/NAME -->`: a script that holds the block word for word (indented alike, if at
   all) and gives it a model and data, then checks what it did; run here (Python in this process unless it
@@ -8,6 +9,10 @@
   set-up runs them), and `<!-- output-of: main-job -->`: what it prints, line by line the same text with
   other numbers;
 - `<!-- ci:test-command -->`: the test command, which `.ci/run` itself runs.
+
+The last three are README.md's alone. Twins live in examples/readme/ (whichever page their block is on) and
+examples/docs/, and each script there is some block's twin. Every relative link of those pages leads to a file
+that exists (and an anchor into a Markdown file to one of its headings).
 """
 
 from __future__ import annotations
@@ -23,14 +28,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "results" / "README.md"]
+TWIN_FOLDERS = [ROOT / "examples" / "readme", ROOT / "examples" / "docs"]
 INSTALL = 'pip install torch==2.13.0 && pip install -e ".[dev]" && '
 MARKER = re.compile(r"^<!-- (?:twin: (?P<twin>\S+)|(?P<kind>ci:test-command|main-job|output-of: main-job)) -->$")
 OWN_PROCESS = "# readme-twin: own process"  # a line of a twin not run inside pytest (it spawns ranks)
 
 
-def blocks() -> list[tuple[int, str, list[str], re.Match | None]]:
-    """(line, language, lines, the marker before it) of every fenced block."""
-    found, lines = [], README.read_text().splitlines()
+def page_blocks(page: Path) -> list[tuple[int, str, list[str], re.Match | None]]:
+    """(line, language, lines, the marker before it) of every fenced block of one page."""
+    found, lines = [], page.read_text().splitlines()
     index = 0
     while index < len(lines):
         if lines[index].startswith("```"):
@@ -43,8 +50,18 @@ def blocks() -> list[tuple[int, str, list[str], re.Match | None]]:
     return found
 
 
+def blocks() -> list[tuple[int, str, list[str], re.Match | None]]:
+    """(line, language, lines, the marker before it) of every fenced block of README.md."""
+    return page_blocks(README)
+
+
+def all_blocks() -> list[tuple[str, int, str, list[str], re.Match | None]]:
+    """(page, line, language, lines, marker) of every fenced block of every page."""
+    return [(str(page.relative_to(ROOT)), *block) for page in PAGES if page.is_file() for block in page_blocks(page)]
+
+
 def twins() -> list[Path]:
-    return sorted({ROOT / m["twin"] for _, _, _, m in blocks() if m and m["twin"]})
+    return sorted({ROOT / m["twin"] for *_, m in all_blocks() if m and m["twin"]})
 
 
 def contains_block(text: str, block: list[str]) -> bool:
@@ -59,19 +76,60 @@ def contains_block(text: str, block: list[str]) -> bool:
 
 
 def test_every_block_says_what_runs_it_and_each_twin_holds_its_block():
-    found = blocks()
-    assert len(found) >= 15
-    unmarked = [f"README.md:{line} ({language})" for line, language, _, marker in found if marker is None]
+    found = all_blocks()
+    assert len(found) >= 15 and len(blocks()) >= 5
+    unmarked = [f"{page}:{line} ({language})" for page, line, language, _, marker in found if marker is None]
     assert not unmarked, f"blocks with no twin or runner marked before them: {unmarked}"
-    for line, _, block, marker in found:
+    for page, line, _, block, marker in found:
         if marker["twin"]:
             twin = ROOT / marker["twin"]
-            assert twin.is_file(), f"README.md:{line}: its twin {marker['twin']} does not exist"
-            assert contains_block(twin.read_text(), block), f"README.md:{line}: {marker['twin']} does not hold the block"
-    kinds = [m["kind"] for _, _, _, m in found if m["kind"]]
+            assert twin.is_file(), f"{page}:{line}: its twin {marker['twin']} does not exist"
+            assert contains_block(twin.read_text(), block), f"{page}:{line}: {marker['twin']} does not hold the block"
+    kinds = [m["kind"] for _, _, _, m in blocks() if m["kind"]]
     assert sorted(kinds) == ["ci:test-command", "main-job", "output-of: main-job"], kinds
-    assert not set(p.name for p in (ROOT / "examples" / "readme").iterdir() if p.suffix in (".py", ".sh")) - {
-        t.name for t in twins()}, "a script in examples/readme/ is no README block's twin"
+    elsewhere = [f"{page}:{line}" for page, line, *_, m in found if m["kind"] and page != "README.md"]
+    assert not elsewhere, f"the main job's and the test command's markers are README.md's alone: {elsewhere}"
+    scripts = {p for folder in TWIN_FOLDERS for p in folder.iterdir() if p.suffix in (".py", ".sh")}
+    assert not scripts - set(twins()), f"scripts in examples/readme/ or examples/docs/ that are no block's twin: {sorted(scripts - set(twins()))}"
+
+
+LINK = re.compile(r"\]\(([^()\s]+)\)")
+
+
+def heading_anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings: the text lowercased, punctuation dropped, spaces to hyphens."""
+    anchors, fence = set(), False
+    for line in page.read_text().splitlines():
+        fence ^= line.startswith("```")
+        if not fence and (heading := re.match(r"^#{1,6} (.*)$", line)):
+            text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading[1].strip())
+            slug = re.sub(r"[^\w\- ]", "", text.lower()).replace(" ", "-")
+            anchor, n = slug, 0
+            while anchor in anchors:
+                n += 1
+                anchor = f"{slug}-{n}"
+            anchors.add(anchor)
+    return anchors
+
+
+def test_every_relative_link_leads_to_a_file_and_heading_that_exist():
+    broken = []
+    for page in PAGES:
+        for target in LINK.findall(page.read_text()):
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            resolved = (page.parent / path).resolve() if path else page
+            if not resolved.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and resolved.suffix == ".md" and anchor not in heading_anchors(resolved):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
+
+
+def test_the_link_check_reads_anchors_as_github_makes_them():
+    page = ROOT / "README.md"
+    assert "set-up-and-run-fresh-machine-cpu" in heading_anchors(page)
 
 
 def test_the_block_matcher_wants_every_line_in_a_row():

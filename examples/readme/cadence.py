@@ -1,4 +1,4 @@
-"""README twin: "Ranks of unequal speed". Two gloo ranks on this machine (spawned here; the test runs this
+"""docs/cadence.md twin: "Ranks of unequal speed". Two gloo ranks on this machine (spawned here; the test runs this
 script as its own process: see the marker below), each running the block word for word on a small regression model; the ranks
 end with the same parameters.
 

@@ -1,4 +1,4 @@
-"""README twin: "Checkpoints". The block word for word, twice: the first run saves at steps 100 and 200 (its
+"""docs/checkpoints.md twin: "Checkpoints". The block word for word, twice: the first run saves at steps 100 and 200 (its
 training step is the block's `...`); the second, to step 300, resumes from step 200 and gets the first run's
 `extra` back."""
 

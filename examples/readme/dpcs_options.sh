@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# README twin: "Options without code". A train.py and a dpcs.toml in a fresh folder, then the block word for
+# docs/options.md twin: "Options without code". A train.py and a dpcs.toml in a fresh folder, then the block word for
 # word; train.py checks the options reached the compile, and where the record says they came from.
 set -euo pipefail
 cd "$(mktemp -d)"

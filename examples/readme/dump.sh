@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# README twin: "Graph dumps". The block word for word in a fresh folder that sees the repository's examples/;
+# docs/tooling.md twin: "Graph dumps". The block word for word in a fresh folder that sees the repository's examples/;
 # then checks a graph's folder holds its plan and timeline.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/../.." && pwd)"

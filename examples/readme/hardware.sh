@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# README twin: "Hardware profile and rank agreement". The block word for word in a fresh folder that sees the
+# docs/hardware.md twin: "Hardware profile and rank agreement". The block word for word in a fresh folder that sees the
 # repository's examples/; then checks what it wrote.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/../.." && pwd)"

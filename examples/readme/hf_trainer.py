@@ -1,4 +1,4 @@
-"""README twin: "Hugging Face Trainer and accelerate". A randomly initialised small GPT-2 (no download) and a
+"""docs/trainers.md twin: "Hugging Face Trainer and accelerate". A randomly initialised small GPT-2 (no download) and a
 counting dataset, then the block word for word: an unchanged Trainer (3 epochs of 2 steps)."""
 
 import torch

@@ -1,4 +1,4 @@
-"""README twin: "Model states". The block word for word on a small GPT (it builds each lever in turn); its
+"""docs/model_states.md twin: "Model states". The block word for word on a small GPT (it builds each lever in turn); its
 last optimizer, dpcs choosing the state's format and what to offload, then trains three steps."""
 
 import torch

@@ -1,4 +1,4 @@
-"""README twin: the one-line use (first screen, and "Memory budget"). The block runs word for word on a small
+"""README twin: the one-line use (first screen, and docs/memory_budget.md). The block runs word for word on a small
 GPT; the lines after it check what it did."""
 
 import torch

@@ -1,4 +1,4 @@
-"""README twin: "fp16, loss scaling and the overflow flag". The block word for word on a small GPT, on CUDA
+"""docs/precision.md twin: "fp16, loss scaling and the overflow flag". The block word for word on a small GPT, on CUDA
 when there is one, else on the CPU; a gradient made infinite at the second step must raise the flag."""
 
 import torch

@@ -1,4 +1,4 @@
-"""README twin: "Precision". The block word for word on a small GPT; then each of its compiles trains a step
+"""docs/precision.md twin: "Precision". The block word for word on a small GPT; then each of its compiles trains a step
 (on a CPU the fp8 linears run emulated)."""
 
 import torch

@@ -1,4 +1,4 @@
-"""README twin: "Runtime: adapting the plan between steps". The block word for word on a small GPT (three
+"""README and docs/runtime.md twin: "Runtime: adapting the plan between steps". The block word for word on a small GPT (three
 batches); the Runtime steps after each."""
 
 from dpcs_compiler.models import workload

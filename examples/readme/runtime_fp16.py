@@ -1,4 +1,4 @@
-"""README twin: the Runtime with fp16 and a GradScaler. The block word for word on a small GPT, on CUDA when
+"""docs/runtime.md twin: the Runtime with fp16 and a GradScaler. The block word for word on a small GPT, on CUDA when
 there is one, else on the CPU."""
 
 import torch

@@ -1,4 +1,4 @@
-"""README twin: "Use". The block runs word for word on a small GPT; the last compile is called."""
+"""docs/options.md twin: "Options". The block runs word for word on a small GPT; the last compile is called."""
 
 from dpcs_compiler import compile_records
 from dpcs_compiler.models import workload
