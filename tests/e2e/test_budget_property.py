@@ -7,8 +7,7 @@ Shapes: one graph (MiniGPT), graph breaks (`BranchingNet`: three graphs a step),
 compiled with `dynamic=True`, trained at 64, 128 and 256 tokens; the budget is of the step at 256). DDP and
 FSDP2 steps are the rank tests' (`tests/runtime/test_step_ranks.py`). The default tier draws one budget for
 the first two shapes under the eager compiler; the slow tier one for the third, and four per shape under both
-compilers. DPCS_PROPERTY_SEED sets
-the seed (default 58).
+compilers. DPCS_PROPERTY_SEED sets the seed (default 58).
 """
 
 from __future__ import annotations
