@@ -53,7 +53,7 @@ if str(REPO) not in sys.path:  # run as a script from a checkout without the pac
 from dpcs_compiler.measure import measure_peak_memory, optimizer_state_bytes, resident_bytes  # noqa: E402
 from dpcs_compiler.models import GPTConfig, MiniGPT, bench_workload, markov_gpt_final_loss  # noqa: E402
 from dpcs_compiler.report import step_records  # noqa: E402
-from dpcs_compiler.runtime import CompressedOptimizer, ParameterOffload  # noqa: E402
+from dpcs_compiler.model_states import CompressedOptimizer, ParameterOffload  # noqa: E402
 
 MiB = 2**20
 DPCS_WARMUP = 8  # steps before a dpcs run is measured: first plans, the optimizer step measured, planned again

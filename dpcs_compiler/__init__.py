@@ -30,8 +30,11 @@ _EXPORTS = {
     "clear_compile_records": "dpcs_compiler.report",
     "compile_records": "dpcs_compiler.report",
     **{name: "dpcs_compiler.runtime" for name in (
-        "Cadence", "CompressedOptimizer", "MemoryPolicy", "MemoryPolicyConfig", "ParameterOffload", "Policy",
-        "PrecisionPolicy", "PrecisionPolicyConfig", "Runtime", "RuntimeConfig", "Telemetry")},
+        "MemoryPolicy", "MemoryPolicyConfig", "Policy", "PrecisionPolicy", "PrecisionPolicyConfig", "Runtime",
+        "RuntimeConfig", "Telemetry")},
+    "Cadence": "dpcs_compiler.distributed",
+    "CompressedOptimizer": "dpcs_compiler.model_states",
+    "ParameterOffload": "dpcs_compiler.model_states",
 }
 
 __all__ = [
@@ -62,12 +65,11 @@ if TYPE_CHECKING:
     from dpcs_compiler.measure import PeakMemory, measure_peak_memory
     from dpcs_compiler.options import DpcsOptions
     from dpcs_compiler.report import CompileRecord, clear_compile_records, compile_records
+    from dpcs_compiler.distributed import Cadence
+    from dpcs_compiler.model_states import CompressedOptimizer, ParameterOffload
     from dpcs_compiler.runtime import (
-        Cadence,
-        CompressedOptimizer,
         MemoryPolicy,
         MemoryPolicyConfig,
-        ParameterOffload,
         Policy,
         PrecisionPolicy,
         PrecisionPolicyConfig,

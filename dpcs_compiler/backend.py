@@ -27,7 +27,7 @@ from dpcs_compiler.debug.dump import write_summary
 from dpcs_compiler.diagnostics import DpcsWarning
 from dpcs_compiler.options import DpcsOptions
 from dpcs_compiler.pipeline import compile_graph
-from dpcs_compiler.rank_agreement import RankDisagreementError
+from dpcs_compiler.distributed.rank_agreement import RankDisagreementError
 from dpcs_compiler.report import compile_records, records_since
 from dpcs_compiler.passes.infra import copy_graph_module
 from dpcs_compiler.runtime.variants import GraphDispatcher

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from dpcs_compiler import rank_agreement
+from dpcs_compiler.distributed import rank_agreement
 from dpcs_compiler.diagnostics import DpcsWarning
 
 log = logging.getLogger("dpcs.checkpoint")

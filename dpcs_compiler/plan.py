@@ -10,7 +10,7 @@ Inductor's cache keys, so a graph compiled for one budget option is never handed
 does not cover what a budget resolves to ("auto", a fraction) on a device, nor the hardware profile: the
 FX-graph and AOTAutograd caches therefore stay off for dpcs graphs (pipeline.aot_compile). `plan_hash`
 covers the resolved budget, the hardware profile (its device key and short hash) and the decisions: in a
-distributed job the ranks compare it field by field (`rank_agreement.py`).
+distributed job the ranks compare it field by field (`distributed/rank_agreement.py`).
 """
 
 from __future__ import annotations

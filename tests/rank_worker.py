@@ -1,4 +1,4 @@
-"""One rank of the 2-process gloo tests in test_rank_agreement.py (run as a script, not collected by pytest).
+"""One rank of the 2-process gloo tests in distributed/test_rank_agreement.py (run as a script, not collected by pytest).
 
     python rank_worker.py RANK WORLD STORE_FILE BUDGET PROFILE_JSON RESULT_JSON [--no-broadcast]
 
@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dpcs_testing import SQUARED_LINEARS_PRECISION, SquaredLinears  # noqa: E402
 from rank_process import join, leave, report_crashes  # noqa: E402
-from dpcs_compiler import compile_records, rank_agreement  # noqa: E402
+from dpcs_compiler import compile_records  # noqa: E402
+from dpcs_compiler.distributed import rank_agreement  # noqa: E402
 from dpcs_compiler.cost import hardware  # noqa: E402
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dpcs_compiler import Runtime, checkpoint
-from dpcs_compiler.runtime import CompressedOptimizer
+from dpcs_compiler.model_states import CompressedOptimizer
 from dpcs_testing import dpcs_compile, run_rank_processes
 
 

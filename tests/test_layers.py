@@ -2,7 +2,9 @@
 
 cost/ and solve/ are pure (numbers and plain records in, plans out): they never import the graph passes,
 the in-graph ops, the pipeline or its stages, or the debug tools; what they need of a graph arrives as
-`dpcs_compiler.types` records. ops/ (in-graph ops) knows nothing of the passes that insert them. Every
+`dpcs_compiler.types` records. ops/ (in-graph ops) knows nothing of the passes that insert them.
+model_states/ (the optimizer-state and parameter levers) and distributed/ (rank agreement, the cadence,
+distributed signals) sit beside runtime/ and never reach up into planning or the graph passes. Every
 import counts, at module level, inside functions and under TYPE_CHECKING alike.
 """
 
@@ -21,6 +23,11 @@ RULES: dict[str, tuple[str, ...]] = {
     "solve": UPPER,
     "ops": ("passes", "pipeline", "stages", "debug", "backend", "cli", "solve"),
     "types": ("*",),  # plain records: nothing of the package
+    # levers on the optimizer's and the parameters' tensors: they know the cost records and the in-graph
+    # copy ops, never the planner, the runtime that drives them or the ranks
+    "model_states": (*UPPER[:1], *UPPER[2:], "solve", "runtime", "distributed"),
+    # ranks: agreement, the cadence and the signals they share; no planning, no graph rewrites, no levers
+    "distributed": (*UPPER, "solve", "model_states"),
 }
 
 

@@ -1,7 +1,7 @@
 """What keeping an optimizer's state one way or another costs: bytes on the device and seconds added to a
 step. Pure functions of counts and measured rates (`StateRates`), no optimizer inside.
 
-A lever is a format for the state tensors an optimizer may store compressed (`runtime/state_codec.py`) and
+A lever is a format for the state tensors an optimizer may store compressed (`model_states/state_codec.py`) and
 whether they live in host memory between steps. Stored compressed, a state is decoded and encoded again
 once per step (a chunk at a time); in host memory, it also crosses the host link both ways. Where the host
 is the device's own memory (a CPU run), host levers save nothing and are not offered.
@@ -19,7 +19,7 @@ _SCALED = ("fp16", "int8")
 
 
 # Bytes of memory traffic per element that encoding and decoding a state in each format amount to, as
-# `runtime/state_codec.py` does it with torch's eager kernels: a plain copy reads and writes each element once;
+# `model_states/state_codec.py` does it with torch's eager kernels: a plain copy reads and writes each element once;
 # the scaled formats' block scales, normalisation and level search take many passes. Those two were calibrated
 # on CPU (AMD EPYC, 2 threads, torch 2.13: measured seconds per element times the measured profile's memory
 # bandwidth, 34 GB/s; fp16 67/11-12, int8 133-162/30-31, rounded up). Costs are then a function of the planning

@@ -356,7 +356,7 @@ class StepShape:
 
 @dataclasses.dataclass(frozen=True)
 class OffloadBlocks:
-    """Blocks of a step whose parameters may live in host memory between uses (`runtime/param_offload.py`),
+    """Blocks of a step whose parameters may live in host memory between uses (`model_states/param_offload.py`),
     for a `StepShape` that counts every one of them as kept on the device. Per block: a name (any hashable),
     its parameter bytes, the gradient bytes its call's backward makes, and the gradients it already has
     (earlier micro-batches). Per call of the shape: the blocks whose parameters it takes, and those brought in

@@ -1,6 +1,6 @@
 """Draw a runtime's telemetry (`runtime/telemetry.py`): precision mode, memory budget, measured peak and
 headroom over the steps, with each variant compile marked and each policy change named; with a `Cadence`
-(`runtime/cadence.py`), the micro-batches each rank ran per sync, the anchor and the sync's overhead.
+(`distributed/cadence.py`), the micro-batches each rank ran per sync, the anchor and the sync's overhead.
 
     dpcs plot TELEMETRY.jsonl -o out.png
 """

@@ -1,14 +1,12 @@
-"""Between steps: signals, policies, plan variants, telemetry and rank agreement; the El Che cadence of
-ranks of unequal speed (`cadence.py`).
+"""Between steps: signals, policies, plan variants and telemetry. The model-state levers are in
+`dpcs_compiler.model_states`, what ranks share (agreement, combined signals, the cadence) in
+`dpcs_compiler.distributed`, the step planner in `dpcs_compiler.step`.
 
     rt = dpcs_compiler.Runtime(model, telemetry="telemetry.jsonl")
     ...; optimizer.step(); rt.step(loss=loss, optimizer=optimizer, scaler=scaler)
 """
 
-from dpcs_compiler.runtime.cadence import Cadence, CadenceConfig, CadenceError
-from dpcs_compiler.runtime.compressed_optimizer import CompressedOptimizer, decompress_state_dict
 from dpcs_compiler.runtime.curvature import CurvatureProbe
-from dpcs_compiler.runtime.param_offload import ParameterOffload
 from dpcs_compiler.runtime.decisions import PRECISION_MODES, Decisions
 from dpcs_compiler.runtime.policies import (
     MemoryPolicy,
@@ -23,15 +21,10 @@ from dpcs_compiler.runtime.telemetry import Telemetry, read_telemetry
 
 __all__ = [
     "PRECISION_MODES",
-    "Cadence",
-    "CadenceConfig",
-    "CadenceError",
-    "CompressedOptimizer",
     "CurvatureProbe",
     "Decisions",
     "MemoryPolicy",
     "MemoryPolicyConfig",
-    "ParameterOffload",
     "Policy",
     "PrecisionPolicy",
     "PrecisionPolicyConfig",
@@ -39,7 +32,6 @@ __all__ = [
     "RuntimeConfig",
     "Signals",
     "Telemetry",
-    "decompress_state_dict",
     "default_regions",
     "read_telemetry",
 ]

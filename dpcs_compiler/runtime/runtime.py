@@ -11,7 +11,7 @@ dpcs compiled for the model to the variant of their decisions.
 
 Per step it only queues device ops (`runtime/signals.py`); every `signal_every` steps it reads them, combined
 over the ranks of a distributed job, and the policies (`runtime/policies.py`) propose decisions, taken on
-rank 0 (`runtime/distributed.py`). A change takes effect at the next step: each graph runs the variant of
+rank 0 (`distributed/signals.py`). A change takes effect at the next step: each graph runs the variant of
 the new decisions, compiled at its first call and cached (`runtime/variants.py`). A thrash guard allows at
 most `max_compiles` new variants per `compile_window` steps; beyond it the decisions hold and the log says so.
 
@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from dpcs_compiler import rank_agreement
+from dpcs_compiler.distributed import rank_agreement
 from dpcs_compiler.cost.calibration import StepFit, StepSample, fit_step_calibration
 from dpcs_compiler.cost.profiles import resolve_profile
 from dpcs_compiler.diagnostics import DpcsWarning
@@ -49,7 +49,7 @@ from dpcs_compiler.report import compile_count
 from dpcs_compiler.runtime.curvature import CurvatureProbe
 from dpcs_compiler.runtime.decisions import Decisions, check_mode
 from dpcs_compiler.runtime.oom_retry import StepAttempt
-from dpcs_compiler.runtime.distributed import decide_on_rank_zero, reduce_signals
+from dpcs_compiler.distributed.signals import decide_on_rank_zero, reduce_signals
 from dpcs_compiler.runtime.policies import MemoryPolicy, Policy, PrecisionPolicy, Signals, config_from
 from dpcs_compiler.runtime.signals import SignalCollector, reduce_rule
 from dpcs_compiler.runtime.telemetry import Telemetry

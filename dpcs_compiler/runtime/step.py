@@ -52,7 +52,7 @@ import torch.utils._pytree as pytree
 
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from dpcs_compiler import rank_agreement
+from dpcs_compiler.distributed import rank_agreement
 from dpcs_compiler.cost.step_model import (
     OPTIMIZER,
     TURN,
@@ -91,9 +91,9 @@ from dpcs_compiler.cost.model_state import (
     offload_seconds,
     step_transient_bytes,
 )
-from dpcs_compiler.runtime.compressed_optimizer import INSTANCES, CompressedOptimizer, measured_state_rates
-from dpcs_compiler.runtime.param_offload import INSTANCES as OFFLOADS
-from dpcs_compiler.runtime.param_offload import ParameterOffload
+from dpcs_compiler.model_states.compressed_optimizer import INSTANCES, CompressedOptimizer, measured_state_rates
+from dpcs_compiler.model_states.param_offload import INSTANCES as OFFLOADS
+from dpcs_compiler.model_states.param_offload import ParameterOffload
 from dpcs_compiler.debug import progress
 from dpcs_compiler.solve import fits, solved_decisions
 from dpcs_compiler.solve.model_state import StepWithState, choose_state_lever

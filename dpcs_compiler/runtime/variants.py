@@ -42,7 +42,7 @@ from dpcs_compiler.diagnostics import DpcsWarning
 from dpcs_compiler.options import DpcsOptions, Fp8Options
 from dpcs_compiler.passes.analysis.op_sites import module_stack
 from dpcs_compiler.passes.infra import copy_graph_module
-from dpcs_compiler.rank_agreement import graph_fingerprint
+from dpcs_compiler.distributed.rank_agreement import graph_fingerprint
 from dpcs_compiler.report import CompileRecord, compile_records, note_compile_raised, records_since
 from dpcs_compiler.runtime.decisions import Decisions
 from dpcs_compiler.stages.job import PlanningError, job_of

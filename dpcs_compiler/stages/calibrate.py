@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from dpcs_compiler import rank_agreement
+from dpcs_compiler.distributed import rank_agreement
 from dpcs_compiler.cost.calibration import fit_calibration, measure_op_samples
 from dpcs_compiler.cost.hardware import HardwareProfile, _plain_dispatch
 from dpcs_compiler.cost.op_time import Calibration

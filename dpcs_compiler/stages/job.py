@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from dpcs_compiler import rank_agreement
+from dpcs_compiler.distributed import rank_agreement
 from dpcs_compiler.cost.budget import WORKSPACE_FRACTION, planning_target, torch_plan_limit
 from dpcs_compiler.debug.progress import PassProgress
 from dpcs_compiler.cost.hardware import ResolvedProfile

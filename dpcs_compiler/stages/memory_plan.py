@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-from dpcs_compiler import rank_agreement
+from dpcs_compiler.distributed import rank_agreement
 from dpcs_compiler.cost.budget import (
     DeviceMemory,
     allocator_slack,

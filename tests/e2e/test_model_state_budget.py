@@ -14,7 +14,7 @@ from dpcs_compiler.cost.profiles import BUILTIN_PROFILES
 from dpcs_compiler.measure import measure_peak_memory, optimizer_state_bytes, resident_bytes
 from dpcs_compiler.models import workload
 from dpcs_compiler.report import compile_records, step_records
-from dpcs_compiler.runtime import CompressedOptimizer
+from dpcs_compiler.model_states import CompressedOptimizer
 from dpcs_compiler.stages.job import BudgetInfeasibleError
 from dpcs_testing import dpcs_compile, expecting_best_plan
 
@@ -134,7 +134,7 @@ def train_offloaded(budget: int, prefetch: int | None, on_infeasible: str = "err
     """STEPS steps of the stack through dpcs with its blocks' parameters offloaded (prefetch None: not
     offloaded; auto: as the step planner chooses), then one more (forward, backward and the optimizer's step)
     measured (parameters and state on the device counted in)."""
-    from dpcs_compiler.runtime import ParameterOffload
+    from dpcs_compiler.model_states import ParameterOffload
 
     torch.manual_seed(0)
     net = _Stack()

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from dpcs_compiler import rank_agreement
+from dpcs_compiler.distributed import rank_agreement
 from dpcs_compiler.runtime import MemoryPolicy, Runtime, read_telemetry
 from dpcs_compiler.runtime.oom_retry import _OptimizerStep
 from dpcs_testing import dpcs_compile

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dpcs_compiler.runtime.distributed import combine
+from dpcs_compiler.distributed.signals import combine
 from dpcs_compiler.runtime.signals import Moments, SignalCollector, reduce_rule
 
 

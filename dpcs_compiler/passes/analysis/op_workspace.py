@@ -341,7 +341,7 @@ class WorkspaceTable:
     def agree_on(self, nodes: Iterable[fx.Node]) -> None:
         """One collective over every rank, whatever each has measured before (a rank that compiled a graph
         the others did not, an evaluation on rank 0, has more cached and must still take part)."""
-        from dpcs_compiler import rank_agreement
+        from dpcs_compiler.distributed import rank_agreement
 
         signatures = [s for s in dict.fromkeys(self.signature(n) for n in nodes) if s is not None]
         mine = self._measured(signatures)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from dpcs_compiler import rank_agreement
+from dpcs_compiler.distributed import rank_agreement
 from dpcs_compiler.measure import CpuMemoryProfile
 from dpcs_compiler.passes.analysis import Schedule, memory_timeline
 from dpcs_compiler.passes.analysis import op_workspace

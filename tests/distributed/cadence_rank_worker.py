@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 from cadence_scenarios import LR, ROUNDS, SPEEDS, loss_of, make_net, micro_batch  # noqa: E402
 from rank_process import join, leave, report_crashes  # noqa: E402
 from dpcs_compiler import Runtime  # noqa: E402
-from dpcs_compiler.runtime.cadence import Cadence, CadenceError  # noqa: E402
+from dpcs_compiler.distributed.cadence import Cadence, CadenceError  # noqa: E402
 
 
 def train(rank: int, compiled: bool, telemetry: Path) -> dict:

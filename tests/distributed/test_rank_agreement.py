@@ -15,9 +15,9 @@ import torch
 
 from dpcs_testing import BF16_FAST, FP32_FAST, SquaredLinears, run_rank_processes, squared_linears_step
 from dpcs_compiler.cost.hardware import profile_to_json
-from dpcs_compiler.rank_agreement import _describe, graph_fingerprint
+from dpcs_compiler.distributed.rank_agreement import _describe, graph_fingerprint
 
-WORKER = Path(__file__).resolve().parent / "rank_worker.py"
+WORKER = Path(__file__).resolve().parent.parent / "rank_worker.py"
 
 
 def run_ranks(tmp_path: Path, budget: int, *flags: str) -> list[dict]:

@@ -9,9 +9,9 @@ import copy
 import pytest
 import torch
 
-from dpcs_compiler.runtime.compressed_optimizer import CompressedOptimizer
-from dpcs_compiler.runtime.param_offload import ParameterOffload
-from dpcs_compiler.runtime.state_codec import Encoded
+from dpcs_compiler.model_states.compressed_optimizer import CompressedOptimizer
+from dpcs_compiler.model_states.param_offload import ParameterOffload
+from dpcs_compiler.model_states.state_codec import Encoded
 from dpcs_testing import dpcs_compile
 
 

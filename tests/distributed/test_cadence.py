@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dpcs_compiler.runtime.cadence import Cadence, CadenceConfig, Estimate, counts_for, initial_counts, next_round
+from dpcs_compiler.distributed.cadence import Cadence, CadenceConfig, Estimate, counts_for, initial_counts, next_round
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rank_process import join, leave, report_crashes, sharded_stack  # noqa: E402
 
-from dpcs_compiler.runtime.compressed_optimizer import CompressedOptimizer  # noqa: E402
+from dpcs_compiler.model_states.compressed_optimizer import CompressedOptimizer  # noqa: E402
 
 POLICY = {"exp_avg": "int8", "exp_avg_sq": "fp16"}
 

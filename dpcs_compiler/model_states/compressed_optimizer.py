@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from dpcs_compiler.cost.model_state import OptimizerStateShape, StateLever, StateRates
-from dpcs_compiler.runtime.param_offload import ParameterOffload
-from dpcs_compiler.runtime.state_codec import FORMATS, Encoded, blocks_shape, check_format, decode, encode, region
+from dpcs_compiler.model_states.param_offload import ParameterOffload
+from dpcs_compiler.model_states.state_codec import FORMATS, Encoded, blocks_shape, check_format, decode, encode, region
 
 FORMAT_VERSION = 1
 

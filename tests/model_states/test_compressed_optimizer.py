@@ -15,8 +15,8 @@ import torch
 from dpcs_compiler import compile_records
 from dpcs_compiler.measure import measure_peak_memory
 from dpcs_compiler.models import markov_gpt_final_loss
-from dpcs_compiler.runtime.compressed_optimizer import CompressedOptimizer, decompress_state_dict
-from dpcs_compiler.runtime.state_codec import Encoded
+from dpcs_compiler.model_states.compressed_optimizer import CompressedOptimizer, decompress_state_dict
+from dpcs_compiler.model_states.state_codec import Encoded
 from dpcs_testing import dpcs_compile, run_rank_processes
 
 OPTIMIZERS = {

@@ -14,7 +14,7 @@ from typing import TypeVar
 
 import torch
 
-from dpcs_compiler import rank_agreement
+from dpcs_compiler.distributed import rank_agreement
 
 T = TypeVar("T")
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dpcs_compiler.runtime import state_codec
-from dpcs_compiler.runtime.state_codec import FORMATS, blocks_shape, decode, dynamic_map, encode, int8_error_bound
+from dpcs_compiler.model_states import state_codec
+from dpcs_compiler.model_states.state_codec import FORMATS, blocks_shape, decode, dynamic_map, encode, int8_error_bound
 
 SHAPES = [(5,), (1000,), (3, 700), (2, 3, 5), (64, 256)]
 
@@ -108,7 +108,7 @@ def test_an_unknown_format_names_the_valid_ones():
 
 @pytest.mark.parametrize("signed", [True, False])
 def test_the_nearest_level_lookup_agrees_with_bucketize(signed):
-    from dpcs_compiler.runtime.state_codec import _midpoints, nearest_levels
+    from dpcs_compiler.model_states.state_codec import _midpoints, nearest_levels
 
     midpoints = _midpoints(signed)
     generator = torch.Generator().manual_seed(0)
