@@ -9,7 +9,7 @@ the gradients checked finite only), and is called as users call it:
 `model(input_ids=..., labels=...).loss.backward()` (the model returns its logits too; the loop keeps the loss).
 Per model: the unbudgeted dpcs step's measured peak, then dpcs at `--fraction` of it (on_infeasible="best")
 after `--steps` steps, measured with the CPU profiler on top of the parameters, buffers and batch alive before
-it (the profiler keeps dpcs's own check of the planned step from running: `runtime/step.py::_Meter`), its
+it (the profiler keeps dpcs's own check of the planned step from running: `step/meter.py::_Meter`), its
 gradients against eager's, its step plan's prediction, and whether the budget held. Writes
 hf_architectures_<compiler>.json (hf_architectures_<compiler>_train.json with `--train`).
 """

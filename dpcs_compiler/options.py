@@ -214,7 +214,7 @@ class DpcsOptions:
         `cost.calibration.fit_step_calibration` fits to measured step times of earlier plans (`dpcs bench
         --calibrate steps` shows how); None (default): the profile's roofline, or option `calibrate`'s fit.
     step_context: set by dpcs, not by users: what the other graphs of the step hold around this one
-        (`cost.step_model.StepContext`), from the step planner (`runtime/step.py`).
+        (`cost.step_model.StepContext`), from the step planner (`step/`).
     size_hints: set by dpcs, not by users: for a graph with dynamic shapes, the sizes its plan is made for
         (pairs of shape symbol and size; empty: the traced sizes), one size bucket of `runtime/variants.py`.
     stands_in_for: set by dpcs, not by users: the compiler this graph is planned for while it runs with
@@ -499,3 +499,18 @@ def environment_options(valid: list[str]) -> tuple[dict[str, Any], str]:
         if key not in valid:
             raise ValueError(f"unknown dpcs option {key!r} in {source}; valid options: {', '.join(map(repr, valid))}")
     return loaded, source
+
+
+def config_from(config_type: type, config: Any, fields: dict[str, Any], owner: str) -> Any:
+    """`config`, or one made of `fields` (keywords), never both: a policy's (or runtime's) configuration."""
+    if config is not None and fields:
+        raise ValueError(f"{owner} takes config= or its fields as keywords, not both")
+    if config is not None and not isinstance(config, config_type):
+        raise ValueError(f"{owner} config={config!r} is not valid; valid choices: a {config_type.__name__}")
+    if config is not None:
+        return config
+    valid = [f.name for f in dataclasses.fields(config_type)]
+    unknown = sorted(set(fields) - set(valid))
+    if unknown:
+        raise ValueError(f"{owner} got unknown options {unknown}; valid choices: {', '.join(map(repr, valid))}")
+    return config_type(**fields)

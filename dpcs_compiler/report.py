@@ -45,7 +45,7 @@ class CompileRecord:
     plan_feasible: bool | None = None  # the plan's predicted peak is within the budget
     # A graph planned alone whose budget no plan meets while its outputs count alive through its backward, but
     # might if the step's code drops them (a loss's logits): the verdict (on_infeasible's error or warning), left
-    # to the step, which sees whether they are dropped (`runtime/step.py`); None once given or never deferred.
+    # to the step, which sees whether they are dropped (`step/`); None once given or never deferred.
     infeasible_deferred: str | None = None
     solver: str | None = None
     recomputed_values: int = 0
@@ -105,7 +105,7 @@ def compiles_raised() -> int:
     failed), in this process (counting up, never reset): an exception caught in a frame that keeps it (or
     whose traceback holds that frame) makes a reference cycle, which holds the frames that called the compile
     and their locals (a graph's inputs, a model's activations) until a garbage collection
-    (`runtime/step.py::_compile_marks`)."""
+    (`step/calls.py::_compile_marks`)."""
     return _RAISED[0]
 
 
@@ -149,7 +149,7 @@ def clear_compile_records() -> None:
 
 @dataclasses.dataclass
 class StepRecord:
-    """One training step of several graph calls as dpcs planned it (`runtime/step.py`): its predicted peak,
+    """One training step of several graph calls as dpcs planned it (`step/`): its predicted peak,
     one number for the whole step, and where it happens.
 
     calls: the graph of each forward call of the step where the peak is, in call order (a graph called per
@@ -201,7 +201,7 @@ class StepRecord:
     compiled_peak_bytes: int | None = None
     # No pressure: the graphs were offered torch's own partitions (`StepContext.torch_plan`; each graph's
     # `CompileRecord.solver` says whether it kept its own). The predicted peak is then the model's of the plans
-    # the offer was made with (saving everything, or each graph's own partition: `cost.step_model._torch_offer`),
+    # the offer was made with (saving everything, or each graph's own partition: `cost.step_search._torch_offer`),
     # within the budget plus each call's runtime allowance (`cost.budget.torch_plan_limit`);
     # `compiled_peak_bytes` is what the compiled graphs predict.
     torch_plans: bool = False

@@ -4,7 +4,8 @@ cost/ and solve/ are pure (numbers and plain records in, plans out): they never 
 the in-graph ops, the pipeline or its stages, or the debug tools; what they need of a graph arrives as
 `dpcs_compiler.types` records. ops/ (in-graph ops) knows nothing of the passes that insert them.
 model_states/ (the optimizer-state and parameter levers) and distributed/ (rank agreement, the cadence,
-distributed signals) sit beside runtime/ and never reach up into planning or the graph passes. Every
+distributed signals) sit beside runtime/ and never reach up into planning or the graph passes; step/ (the
+step planner) is called by the runtime's graphs and never imports runtime/. Every
 import counts, at module level, inside functions and under TYPE_CHECKING alike.
 """
 
@@ -25,9 +26,12 @@ RULES: dict[str, tuple[str, ...]] = {
     "types": ("*",),  # plain records: nothing of the package
     # levers on the optimizer's and the parameters' tensors: they know the cost records and the in-graph
     # copy ops, never the planner, the runtime that drives them or the ranks
-    "model_states": (*UPPER[:1], *UPPER[2:], "solve", "runtime", "distributed"),
+    "model_states": (*UPPER[:1], *UPPER[2:], "solve", "runtime", "step", "distributed"),
     # ranks: agreement, the cadence and the signals they share; no planning, no graph rewrites, no levers
     "distributed": (*UPPER, "solve", "model_states"),
+    # the step planner: the runtime's graphs call it (`step/participant.py` says what it needs of them); it
+    # never calls back into the runtime, the backend or the pipeline
+    "step": ("runtime", "pipeline", "backend", "cli"),
 }
 
 
@@ -79,6 +83,14 @@ def layer_violations(root: Path) -> list[str]:
 def import_cycles(root: Path) -> list[list[str]]:
     """Module-level import cycles (imports inside functions are how a module reaches up lazily)."""
     graph = nx.DiGraph((module, target) for module, _, target, top in imports(root) if top and module != target)
+    # Importing a.b.c from outside a.b runs the package a.b's __init__ first: an edge to each package on the way
+    # (the root's own __init__ aside, which every module of the package runs first; a module inside a.b finds it
+    # initializing already).
+    packages = {_module_name(p, root) for p in root.rglob("__init__.py")}
+    graph.add_edges_from((module, package) for module, target in list(graph.edges)
+                         for i in range(2, target.count(".") + 1)
+                         if (package := ".".join(target.split(".")[:i])) in packages and package != target
+                         and not module.startswith(package + "."))
     return sorted(sorted(c) for c in nx.strongly_connected_components(graph) if len(c) > 1)
 
 
@@ -115,3 +127,17 @@ def test_a_forbidden_import_fails_with_a_message_naming_it(tmp_path):
         "passes/, ops/, pipeline/, stages/, debug/, backend/, cli/ (layer rules: tests/test_layers.py)"
     ]
     assert import_cycles(root) == [["dpcs_compiler.cost.calibration", "dpcs_compiler.cost.op_time"]]
+
+
+MAX_LINES = 800
+REASON = "Longer than 800 lines because"
+
+
+def test_no_module_is_longer_than_800_lines_without_its_reason_at_the_top():
+    """Each file one idea: a module past MAX_LINES says why in its docstring ("Longer than 800 lines because
+    ...", within its first 30 lines), or is split by concern."""
+    long = [f"{path.relative_to(PACKAGE.parent)}: {n} lines"
+            for path in sorted(PACKAGE.rglob("*.py"))
+            if (n := len(text := path.read_text(encoding="utf-8").splitlines())) > MAX_LINES
+            and not any(REASON in line for line in text[:30])]
+    assert not long, f"modules over {MAX_LINES} lines without '{REASON} ...' at their top: " + "; ".join(long)

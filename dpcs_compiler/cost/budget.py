@@ -144,7 +144,7 @@ def planning_target(budget_bytes: int) -> int:
 
 # What a measured step may hold beyond its prediction and still count as predicted (measurement noise, and
 # errors too small to plan again for): the larger of these (`measurement_tolerance`). The step recorder plans
-# again only for more (`runtime/step.py`); a plan that drops the fusion guard keeps this much to spare
+# again only for more (`step/`); a plan that drops the fusion guard keeps this much to spare
 # (`stages/compile_parts.PartCompiler.schedule_fits`).
 CORRECTION_MIN_BYTES = 64 * 1024
 CORRECTION_MIN_FRACTION = 0.002

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from dpcs_compiler.runtime.policies import config_from
+from dpcs_compiler.options import config_from
 
 STATE_VERSION = 1
 LOSS_REDUCTIONS = ("mean", "sum")

@@ -36,7 +36,8 @@ import torch
 from dpcs_compiler.checkpoint import _write_synced
 from dpcs_compiler.diagnostics import DpcsWarning
 from dpcs_compiler.options import DpcsOptions
-from dpcs_compiler.runtime.policies import Policy, config_from
+from dpcs_compiler.options import config_from
+from dpcs_compiler.runtime.policies import Policy
 from dpcs_compiler.runtime.runtime import Runtime, RuntimeConfig
 from dpcs_compiler.runtime.telemetry import Telemetry
 

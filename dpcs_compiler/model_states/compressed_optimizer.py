@@ -48,7 +48,7 @@ _STORED_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.f
 STEPS_KEY = "dpcs_steps"
 AUTO = "auto"
 # Every CompressedOptimizer alive: the step planner counts their state in the step's budget, and chooses how
-# the "auto" ones keep it (`runtime/step.py`).
+# the "auto" ones keep it (`step/`).
 INSTANCES: weakref.WeakSet[CompressedOptimizer] = weakref.WeakSet()
 
 

@@ -42,7 +42,7 @@ from torch import nn
 from dpcs_compiler.ops.offload_ops import _side_stream, copy_to_host_async
 
 # Every ParameterOffload installed and not closed: the step planner counts their parameters as a block's own,
-# alive for its call (and its neighbours' prefetch), not as the step's (`runtime/step.py`).
+# alive for its call (and its neighbours' prefetch), not as the step's (`step/`).
 INSTANCES: weakref.WeakSet[ParameterOffload] = weakref.WeakSet()
 
 

@@ -24,6 +24,7 @@ import dataclasses
 import math
 from typing import Any
 
+from dpcs_compiler.options import config_from
 from dpcs_compiler.runtime.decisions import MODE_RANK, Decisions, check_mode
 
 
@@ -82,21 +83,6 @@ def _check_number(config: object, field: str, low: float, high: float, *, open_l
     ok = ok and (value > low if open_low else value >= low)
     if not ok:
         raise _field_error(config, field, f"a number in {'(' if open_low else '['}{low:g}, {high:g}]")
-
-
-def config_from(config_type: type, config: Any, fields: dict[str, Any], owner: str) -> Any:
-    """`config`, or one made of `fields` (keywords), never both: a policy's (or runtime's) configuration."""
-    if config is not None and fields:
-        raise ValueError(f"{owner} takes config= or its fields as keywords, not both")
-    if config is not None and not isinstance(config, config_type):
-        raise ValueError(f"{owner} config={config!r} is not valid; valid choices: a {config_type.__name__}")
-    if config is not None:
-        return config
-    valid = [f.name for f in dataclasses.fields(config_type)]
-    unknown = sorted(set(fields) - set(valid))
-    if unknown:
-        raise ValueError(f"{owner} got unknown options {unknown}; valid choices: {', '.join(map(repr, valid))}")
-    return config_type(**fields)
 
 
 class Policy:

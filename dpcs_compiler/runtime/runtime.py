@@ -50,7 +50,8 @@ from dpcs_compiler.runtime.curvature import CurvatureProbe
 from dpcs_compiler.runtime.decisions import Decisions, check_mode
 from dpcs_compiler.runtime.oom_retry import StepAttempt
 from dpcs_compiler.distributed.signals import decide_on_rank_zero, reduce_signals
-from dpcs_compiler.runtime.policies import MemoryPolicy, Policy, PrecisionPolicy, Signals, config_from
+from dpcs_compiler.options import config_from
+from dpcs_compiler.runtime.policies import MemoryPolicy, Policy, PrecisionPolicy, Signals
 from dpcs_compiler.runtime.signals import SignalCollector, reduce_rule
 from dpcs_compiler.runtime.telemetry import Telemetry
 from dpcs_compiler.runtime.variants import (

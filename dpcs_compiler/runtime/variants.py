@@ -46,6 +46,7 @@ from dpcs_compiler.distributed.rank_agreement import graph_fingerprint
 from dpcs_compiler.report import CompileRecord, compile_records, note_compile_raised, records_since
 from dpcs_compiler.runtime.decisions import Decisions
 from dpcs_compiler.stages.job import PlanningError, job_of
+from dpcs_compiler.step import STEPS
 
 log = logging.getLogger("dpcs.runtime")
 
@@ -280,7 +281,7 @@ class GraphDispatcher:
         self.events: list[CompileEvent] = []  # every variant this graph compiled
         self.own_reference: int | None = None  # its unscaled plan's budget, or predicted peak without one
         self.control: VariantControl = UNBOUND
-        # Step planning (`runtime/step.py`): the context the step planner gave this graph, under which
+        # Step planning (`step/`): the context the step planner gave this graph, under which
         # decisions, and whether the step recorder is watching its calls.
         self.step_contexts: dict[tuple[int, ...], StepContext] = {}  # by size bucket
         self.provisional: set[tuple[int, ...]] = set()  # buckets whose context was set before the step was known
@@ -306,8 +307,6 @@ class GraphDispatcher:
         self.forward_only = False  # a watched call made no autograd graph (`StepRecorder.call`)
         self.participates = participates = options.memory_budget is not None and options.budget_scope == "step"
         if participates:
-            from dpcs_compiler.runtime.step import STEPS
-
             # Before the step's order is known (the step planner plans it again after the step): compiled in the
             # middle of a step, planned against what the graphs that ran before it hold; ending at a graph break,
             # so more graphs follow while it holds what it saved, planned to hold least.
@@ -370,18 +369,12 @@ class GraphDispatcher:
                 if bucket not in self.buckets_seen:
                     self.buckets_seen.add(bucket)
                     if self.participates:
-                        from dpcs_compiler.runtime.step import STEPS
-
                         STEPS.arm(self)  # its step at these sizes is planned anew
         if self._version != self.control.version:
             self._select(args)
         if self._watch:
-            from dpcs_compiler.runtime.step import STEPS
-
             return STEPS.call(self, args)
         if self.participates and torch.is_grad_enabled():
-            from dpcs_compiler.runtime.step import STEPS
-
             STEPS.glance(self)
             if self._watch:  # an order not planned for: this step is watched from its start
                 return STEPS.call(self, args)
@@ -437,8 +430,6 @@ class GraphDispatcher:
         version = self.control.version
         if version != self._control_version:
             if self._control_version >= 0 and self.step_context is not None:
-                from dpcs_compiler.runtime.step import STEPS
-
                 STEPS.arm(self)  # another variant: the step is planned again for it
             self._control_version = version
         try:

@@ -19,7 +19,7 @@ class StepWithState:
 
 @dataclasses.dataclass(frozen=True)
 class LeverChoice:
-    lever: Hashable  # the option chosen (`runtime/step.py`: a state lever and the blocks offloaded)
+    lever: Hashable  # the option chosen (`step/`: a state lever and the blocks offloaded)
     state_bytes: int
     state_seconds: float
     step: StepWithState

@@ -470,7 +470,7 @@ class GraphJob:
         only: its inputs are the loop's) are enough to bring that peak within the limit if the step's code
         drops them before the backward (a model called with labels returns its logits; a loop that keeps
         `.loss` drops them). The step recorder sees whether it does, and the step planner then fits the budget
-        or gives on_infeasible's error or warning (`runtime/step.py`; a step of this graph alone that drops
+        or gives on_infeasible's error or warning (`step/`; a step of this graph alone that drops
         nothing gives this `message`). Not refused before the step is seen, not warned twice."""
         if self.options.step_context is not None or self.sharing is None or self.record.mode != "training":
             return False

@@ -51,8 +51,8 @@ def test_an_optimizer_not_of_torchs_is_counted_as_it_is_and_said_unknown():
 
 def test_a_wrapper_sharing_an_optimizers_state_is_counted_once_through_it():
     """accelerate's AcceleratedOptimizer (the Trainer's) is an Optimizer whose state is its inner one's: the
-    step counts the state once (`runtime/step._state_bytes`), and never warns that the wrapper is unknown."""
-    from dpcs_compiler.runtime.step import _state_bytes
+    step counts the state once (`step/holdings.py::_state_bytes`), and never warns that the wrapper is unknown."""
+    from dpcs_compiler.step.holdings import _state_bytes
 
     class Wrapper(torch.optim.Optimizer):
         def __init__(self, optimizer):  # as accelerate's: no Optimizer.__init__, the inner one's state

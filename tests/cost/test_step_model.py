@@ -12,7 +12,6 @@ from dpcs_compiler.cost.budget import RUNTIME_ALLOWANCE_BYTES
 from dpcs_compiler.cost.memory_model import RECOMPUTE, SAVE, Candidate, MemoryProblem, plan_memory, plan_seconds
 from dpcs_compiler.cost.step_model import (
     OPTIMIZER,
-    TARGET_PROBES,
     OffloadBlocks,
     with_offloaded,
     GraphLevels,
@@ -26,9 +25,9 @@ from dpcs_compiler.cost.step_model import (
     in_step,
     kept_saved,
     lowest_boundary_decisions,
-    plan_step,
     step_peak,
 )
+from dpcs_compiler.cost.step_search import TARGET_PROBES, plan_step
 from dpcs_compiler.solve import fits, solve
 from dpcs_compiler.solve.synthetic import random_problem
 

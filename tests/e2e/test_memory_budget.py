@@ -492,7 +492,7 @@ def test_a_re_plan_the_solver_finds_over_is_judged_by_its_own_compiled_graphs(mo
     raised = compiles_raised()
     result, record = measured_step(w, "inductor", memory_budget=budget)  # on_infeasible="error"
     assert record.replans == 1 and record.plan_feasible
-    assert compiles_raised() == raised + 1  # the step recorder collects garbage after it (`runtime/step.py`)
+    assert compiles_raised() == raised + 1  # the step recorder collects garbage after it (`step/`)
     assert result.measured_peak_bytes <= record.predicted_peak_bytes * 1.05 and result.measured_peak_bytes <= budget
 
 

@@ -90,14 +90,14 @@ def test_the_levers_costs_come_from_the_planning_profile_not_this_machines_timin
     """With a pinned profile the state lever is chosen alike on every machine: encoding and decoding cost what
     the profile's memory bandwidth gives them, whatever this machine's codec timings (here made 1000x slower
     for bf16)."""
-    import dpcs_compiler.runtime.step as step_module
+    from dpcs_compiler.step import planning
     from dpcs_compiler.cost.model_state import StateRates
 
     lowest = lowest_with_fp32_state()  # planned with reference-cpu, as here
     budget = lowest["record"].predicted_peak_bytes - lowest["state"] // 3
     here = train(budget, auto=True, hardware_profile="reference-cpu")["record"].optimizer_state
     slow = dict.fromkeys(("fp32", "bf16", "fp16", "int8"), 1e-9) | {"bf16": 1e-6}
-    monkeypatch.setattr(step_module, "measured_state_rates", lambda device: StateRates(slow, slow, None))
+    monkeypatch.setattr(planning, "measured_state_rates", lambda device: StateRates(slow, slow, None))
     elsewhere = train(budget, auto=True, hardware_profile="reference-cpu")["record"].optimizer_state
     assert here["format"] == elsewhere["format"] == "bf16" and here["options"] == elsewhere["options"]
 

@@ -800,7 +800,7 @@ def test_parameters_only_eager_code_reads_count_for_the_step():
     """The step counted the parameters its graphs take: an embedding read by eager code alone was left out,
     and the step went over its budget by about its bytes (1.15 MB over, 2.05 MB above the prediction). The
     compiled module's other parameters now count as memory alive through the step
-    (`runtime.step._count_unseen_parameters`)."""
+    (`step.holdings._count_unseen_parameters`)."""
     torch.manual_seed(0)
     model = _EagerEmbedding()
     g = torch.Generator().manual_seed(1)

@@ -1,4 +1,4 @@
-"""The step recorder (`runtime/step.py`) on small models: what it learns from the calls, which steps it plans
+"""The step recorder (`step/`) on small models: what it learns from the calls, which steps it plans
 together, and how a measured excess is counted."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import torch
 from dpcs_compiler.cost.step_model import StepShape
 from dpcs_compiler.models import BranchingNet
 from dpcs_compiler.report import step_records
-from dpcs_compiler.runtime.step import MAX_CORRECTIONS, STEPS
+from dpcs_compiler.step import STEPS
+from dpcs_compiler.step.calls import MAX_CORRECTIONS
 from dpcs_compiler.stages.job import BudgetInfeasibleError
 from dpcs_testing import dpcs_compile
 
@@ -194,7 +195,7 @@ def test_a_step_in_an_order_not_planned_for_is_watched_again():
 def test_two_steps_of_one_shape_count_per_call_the_one_that_freed_less_with_what_it_kept_saved():
     """What a step frees before a call's backward depends on the plan that ran (one that recomputes from an
     input keeps it alive): the shape keeps, per call, the smaller figure with the candidates it was seen under."""
-    from dpcs_compiler.runtime.step import _covering
+    from dpcs_compiler.step.calls import _covering
 
     a = StepShape(instances=("g", "h"), parameter_bytes=100, call_backward_freed=(10, 5),
                   call_keep_saved=(frozenset({"x"}), frozenset()))
@@ -212,11 +213,13 @@ def compiled_variants_standing_in(monkeypatch):
     """The step model read through stand-ins: a compiled variant's (problem, decisions) is its predicted levels
     (inside the graphs, at the turn, at the end), and the step's peak the largest of the first two. Returns the
     stand-in variant class (its `levels` settable)."""
-    import dpcs_compiler.runtime.step as step
+    from dpcs_compiler.cost.step_model import GraphLevels
+    from dpcs_compiler.step import planning, recorder
 
-    monkeypatch.setattr(step.GraphLevels, "of", staticmethod(lambda problem, decisions: problem))
-    monkeypatch.setattr(step, "predicted_levels", lambda shapes, graphs, levels: max(levels.values()))
-    monkeypatch.setattr(step, "step_peak", lambda shapes, graphs, levels: type("Peak", (), {
+    monkeypatch.setattr(GraphLevels, "of", staticmethod(lambda problem, decisions: problem))
+    for module in (planning, recorder):
+        monkeypatch.setattr(module, "predicted_levels", lambda shapes, graphs, levels: max(levels.values()))
+    monkeypatch.setattr(recorder, "step_peak", lambda shapes, graphs, levels: type("Peak", (), {
         "bytes": max(max(v[:2]) for v in levels.values())})())
 
     class Variant:
@@ -237,7 +240,7 @@ def test_a_planned_step_is_predicted_from_its_compiled_variants_before_it_is_mea
     are stood in for: each variant's (problem, decisions) reads as its predicted levels."""
     import weakref
 
-    import dpcs_compiler.runtime.step as step
+    from dpcs_compiler.step import planning, records
     from dpcs_compiler.report import StepRecord
 
     Variant = compiled_variants_standing_in(monkeypatch)
@@ -249,7 +252,7 @@ def test_a_planned_step_is_predicted_from_its_compiled_variants_before_it_is_mea
     try:
         def planned(after_mismatch=False):
             STEPS.predicted, STEPS.predicted_peak = (9_000_000, 7_000_000, 1), 9_000_000
-            STEPS.as_planned = step._AsPlanned([], {"a": weakref.ref(a), "b": weakref.ref(b)}, 10_000_000,
+            STEPS.as_planned = planning._AsPlanned([], {"a": weakref.ref(a), "b": weakref.ref(b)}, 10_000_000,
                                                after_mismatch, record)
 
         planned()
@@ -262,8 +265,8 @@ def test_a_planned_step_is_predicted_from_its_compiled_variants_before_it_is_mea
         # a killed process left unended stays its own.
         steps_file = tmp_path / "steps.jsonl"
         steps_file.write_text('{"step": "earlier"}')
-        STEPS.as_planned.dumped.append(step._dump_step_record(steps_file, record))
-        step._dump_step_record(steps_file, dataclasses.replace(record, step="later"))
+        STEPS.as_planned.dumped.append(records._dump_step_record(steps_file, record))
+        records._dump_step_record(steps_file, dataclasses.replace(record, step="later"))
         assert json.loads(steps_file.read_text().splitlines()[1])["compiled_peak_bytes"] == 9_000_000  # as made
         assert STEPS._predict_as_compiled() and not STEPS.to_plan
         assert STEPS.predicted == (9_000_000, 9_500_000, 1) and STEPS.predicted_peak == 9_500_000
@@ -294,7 +297,7 @@ def test_torchs_partitions_measured_or_compiled_over_their_prediction_are_not_of
     corrected the same way keeps the offer open."""
     import weakref
 
-    import dpcs_compiler.runtime.step as step
+    from dpcs_compiler.step import planning
     from dpcs_compiler.report import StepRecord
 
     Variant = compiled_variants_standing_in(monkeypatch)
@@ -309,7 +312,7 @@ def test_torchs_partitions_measured_or_compiled_over_their_prediction_are_not_of
     def offered():  # the plan `_plan` makes of an offer: the model of plans saving everything, within the budget
         STEPS.torch_planned = True
         STEPS.predicted, STEPS.predicted_peak = (9_950_000, 7_000_000, 1), 9_950_000
-        STEPS.as_planned = step._AsPlanned([], {"a": weakref.ref(variant)}, 10_000_000, False, record)
+        STEPS.as_planned = planning._AsPlanned([], {"a": weakref.ref(variant)}, 10_000_000, False, record)
 
     STEPS.reset()
     try:
@@ -411,7 +414,7 @@ def test_a_calls_inputs_and_outputs_its_plan_recomputes_from_are_held_by_it():
     measured as the others', it was counted for every later plan, those that save the value too."""
     from types import SimpleNamespace
 
-    import dpcs_compiler.runtime.step as step
+    from dpcs_compiler.step import calls
     from dpcs_compiler.cost.memory_model import RECOMPUTE, SAVE
     from dpcs_compiler.passes.analysis.planning import Freeable, StepSharing
 
@@ -419,29 +422,27 @@ def test_a_calls_inputs_and_outputs_its_plan_recomputes_from_are_held_by_it():
                                             Freeable(4, (2,), (), ())))
     candidates = (SimpleNamespace(name="neg"), SimpleNamespace(name="tanh"), SimpleNamespace(name="add"))
     job = SimpleNamespace(problem=SimpleNamespace(candidates=candidates), plan=SimpleNamespace(decisions=(RECOMPUTE, SAVE, RECOMPUTE)))
-    assert step._kept_for_recomputation(job, sharing) == ({0}, set())
+    assert calls._kept_for_recomputation(job, sharing) == ({0}, set())
     job.plan.decisions = (SAVE, RECOMPUTE, RECOMPUTE)
-    assert step._kept_for_recomputation(job, sharing) == (set(), {1})
+    assert calls._kept_for_recomputation(job, sharing) == (set(), {1})
     job.plan.decisions = (SAVE, SAVE, RECOMPUTE)
-    assert step._kept_for_recomputation(job, sharing) == (set(), set())
-    assert step._kept_for_recomputation(None, sharing) == (set(), set())
-    assert step._kept_for_recomputation(job, None) == (set(), set())
+    assert calls._kept_for_recomputation(job, sharing) == (set(), set())
+    assert calls._kept_for_recomputation(None, sharing) == (set(), set())
+    assert calls._kept_for_recomputation(job, None) == (set(), set())
 
 
 def test_what_a_call_keeps_for_a_recomputation_is_not_held_before_the_next_calls():
     """A storage a call holds only because its plan recomputes from it (`_Call.kept`) is not counted as held
     before a later call that takes it too: a plan that saves instead does not hold it, and the model counts it
     with the plans that do (`GraphStep.held`); counted there, every later call's share of it was dropped."""
-    from types import SimpleNamespace
-
-    import dpcs_compiler.runtime.step as step
+    from dpcs_compiler.step.calls import _Call
 
     class Dispatcher:  # weakly referenced by the shape
         def __init__(self, name):
             self.name = name
 
     def call(name, inputs, held, kept=frozenset()):
-        return step._Call(Dispatcher(name), {}, {}, inputs, held, {}, (), 0, 0, None, kept=kept)
+        return _Call(Dispatcher(name), {}, {}, inputs, held, {}, (), 0, 0, None, kept=kept)
 
     shared, own = 1, 2
     calls = [call("a", {own: 8}, {own: 8}), call("b", {shared: 20}, {shared: 20}, kept=frozenset({shared})),
@@ -460,7 +461,7 @@ def test_garbage_is_collected_before_a_backward_after_dynamo_compiled_not_after_
     costs 0.4-0.8 s in a large process, so a step in which only variants compiled reads without one."""
     import gc
 
-    import dpcs_compiler.runtime.step as step
+    from dpcs_compiler.step import calls
     from dpcs_compiler import Runtime
     from dpcs_compiler.report import compile_count
 
@@ -472,7 +473,7 @@ def test_garbage_is_collected_before_a_backward_after_dynamo_compiled_not_after_
             collected.append(compile_count())
             return gc.collect(*args)
 
-    monkeypatch.setattr(step, "gc", Collector)
+    monkeypatch.setattr(calls, "gc", Collector)
     model = BranchingNet(d=128, blocks=1)
     compiled = dpcs_compile(model, memory_budget=10**9)
     runtime = Runtime(model, policies=[])
@@ -502,18 +503,18 @@ def test_a_compile_that_raised_or_cleared_dynamo_counters_count_as_compiles_that
     counters makes another counter, even where it counts as many frames again."""
     from torch._dynamo.utils import counters
 
-    import dpcs_compiler.runtime.step as step
+    from dpcs_compiler.step import calls
     from dpcs_compiler.report import note_compile_raised
 
-    before = step._compile_marks()
-    assert not step._marks_changed(before, step._compile_marks())
+    before = calls._compile_marks()
+    assert not calls._marks_changed(before, calls._compile_marks())
     note_compile_raised()
-    assert step._marks_changed(before, step._compile_marks())
-    before = step._compile_marks()
+    assert calls._marks_changed(before, calls._compile_marks())
+    before = calls._compile_marks()
     total = before[1]
     counters.clear()
     counters["frames"]["total"] = total
-    assert step._marks_changed(before, step._compile_marks())
+    assert calls._marks_changed(before, calls._compile_marks())
 
 
 EXITS_DURING_A_MEASURED_STEP = """

@@ -354,7 +354,7 @@ class StepSharing:
     shared_bytes: int
     gradient_bytes: int
     # Which of the graph's inputs (positions) and forward outputs its backward reads: the same tensor can be
-    # held by two graphs of a step (one's output another's input, both saved), counted once (`runtime/step.py`).
+    # held by two graphs of a step (one's output another's input, both saved), counted once (`step/`).
     held_inputs: tuple[int, ...] = ()
     held_outputs: tuple[int, ...] = ()
     # (schedule step that makes it, bytes) of each parameter gradient its backward returns, in step order.

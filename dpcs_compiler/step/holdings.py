@@ -1,0 +1,283 @@
+"""What a step holds beside its graphs' activations, read from the live objects: FSDP2's shards and DDP's
+gradient buckets, parameters a graph takes without seeing them, the optimizers of the step's parameters and
+their state, ParameterOffload blocks, and what a CUDA process holds beyond the step's own tensors."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import weakref
+from collections.abc import Sequence
+from gc import get_objects
+from typing import Any
+
+import torch
+
+from dpcs_compiler.measure import optimizer_state_bytes
+from dpcs_compiler.report import compile_count
+from dpcs_compiler.cost.optimizer_state import anticipated_state_bytes, state_now_bytes
+from dpcs_compiler.cost.model_state import (
+    step_transient_bytes,
+)
+from dpcs_compiler.model_states.compressed_optimizer import INSTANCES, CompressedOptimizer
+from dpcs_compiler.model_states.param_offload import INSTANCES as OFFLOADS
+from dpcs_compiler.model_states.param_offload import ParameterOffload
+
+log = logging.getLogger("dpcs.step")
+
+
+@dataclasses.dataclass
+class _Block:
+    """A module of a ParameterOffload, as the step sees it; named (id of the offload, id of the module)."""
+
+    offload: weakref.ref[ParameterOffload]
+    module: weakref.ref[torch.nn.Module]
+    parameter_bytes: int
+    parameter_elements: int
+    gradient_bytes: int  # of its parameters that take a gradient
+    held_gradient_bytes: int  # gradients it has from earlier micro-batches (on the device, or on the host)
+    chosen: bool  # the planner chooses whether it is offloaded (`ParameterOffload(auto=True)`)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fsdp:
+    """FSDP2's parameters as the step sees them: the gathered (unsharded) parameters by id, with the bytes of
+    their shard (what their gradient leaves after its reduce-scatter), every shard's bytes (kept all step),
+    and the sharded gradients already there (earlier micro-batches)."""
+
+    gathered: dict[int, int]
+    shard_bytes: int
+    gradient_bytes: int
+
+
+def _fsdp_parameters() -> _Fsdp | None:
+    """FSDP2's states (`fully_shard`) in this process, read from torch's composable-state registry; None
+    without any."""
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    except ImportError:  # a torch without FSDP2
+        return None
+    states = {id(st): st for ref in list(_module_state_mapping.values()) if isinstance(st := ref(), FSDPState)}
+    if not states:
+        return None
+    gathered: dict[int, int] = {}
+    shards = gradients = 0
+    for state in states.values():
+        for group in state._fsdp_param_groups:
+            for fsdp_param in group.fsdp_params:
+                shard = fsdp_param.sharded_param
+                local = shard._local_tensor if hasattr(shard, "_local_tensor") else shard
+                nbytes = local.numel() * local.element_size()
+                shards += nbytes
+                if shard.grad is not None:
+                    grad = shard.grad._local_tensor if hasattr(shard.grad, "_local_tensor") else shard.grad
+                    gradients += grad.numel() * grad.element_size()
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if unsharded is not None:
+                    gathered[id(unsharded)] = nbytes
+    return _Fsdp(gathered, shards, gradients)
+
+
+def _ddp_buckets() -> tuple[dict[int, int], bool]:
+    """Inside a DistributedDataParallel forward: its gradient buckets ({id: bytes}; one flat copy of every
+    gradient, allocated when DDP was made and alive throughout), and whether `.grad`s are views of them."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel._get_active_ddp_module()
+    if ddp is None:
+        return {}, False
+    nbytes = sum(p.numel() * p.element_size() for p in ddp.module.parameters() if p.requires_grad)
+    return {id(ddp): nbytes}, bool(getattr(ddp, "gradient_as_bucket_view", False))
+
+
+def _count_unseen_parameters(root: torch.nn.Module, args: Sequence[Any], parameters: dict[int, int],
+                             offloads: dict, bucket_views: bool, outside: dict[int, int]) -> None:
+    """Add to `outside` (by storage) the parameters of the compiled module on the call's device that this call
+    does not take, and their gradients: alive through the step whoever reads them. A graph break in a layer
+    leaves the embedding to eager code (Hugging Face models), which no graph counted: the step went over its
+    budget by the embedding's bytes. (A parameter a later call takes is counted once, with it: `_shape`.)"""
+    device = next((x.device for x in args if isinstance(x, torch.Tensor)), None)
+    for p in root.parameters():
+        if p.device != device or id(p) in offloads:
+            continue
+        storage = p.untyped_storage()
+        if storage.data_ptr() in parameters or not storage.nbytes():
+            continue
+        gradient = p.grad.untyped_storage().nbytes() if p.grad is not None and not bucket_views else 0
+        outside[storage.data_ptr()] = storage.nbytes() + gradient  # by the parameter, as `gradients` is
+
+
+def _optimizers_of(parameters: dict[int, int], offloaded: Sequence[torch.Tensor] = ()) -> list[torch.optim.Optimizer]:
+    """The optimizers (CompressedOptimizers, torch optimizers seen stepping, and those that have not stepped yet,
+    found once per compile among the live objects) that step some of these parameters (by storage), or of these
+    ParameterOffload parameters (by identity)."""
+    _watch_optimizers()
+    _find_optimizers()
+    found = []
+    ids = {id(p) for p in offloaded}
+    for optimizer in [*INSTANCES, *_STEPPED]:
+        if any(id(p) in ids or (p.untyped_storage().nbytes() and p.untyped_storage().data_ptr() in parameters)
+               for g in optimizer.param_groups for p in g["params"]):
+            found.append(optimizer)
+    return found
+
+
+def _block(po: ParameterOffload, module: torch.nn.Module) -> _Block:
+    params = po.params[module]
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    return _Block(
+        weakref.ref(po), weakref.ref(module), nbytes, sum(p.numel() for p in params),
+        sum(p.numel() * p.element_size() for p in params if p.requires_grad),
+        sum(p.numel() * p.element_size() for p in params if p.grad is not None or po.has_gradient(p)),
+        po.auto,
+    )
+
+
+HELD_ELSEWHERE = -1  # the key in a call's `outside` of what a CUDA process holds beside the step's own tensors
+
+
+def _held_elsewhere(device: torch.device, counted: dict[int, int], optimizers: Sequence[torch.optim.Optimizer]) -> int:
+    """What the process has allocated on the CUDA `device` beyond the storages `counted` and the optimizers'
+    state there now: other models, cuBLAS's workspaces, a data loader's batches."""
+    state = sum(state_now_bytes(o, "cuda") for o in optimizers if not isinstance(o, CompressedOptimizer))
+    return max(0, int(torch.cuda.memory_allocated(device)) - sum(counted.values()) - state)
+
+
+def _make_cuda_workspaces(device: torch.device) -> None:
+    """Run a matrix product forward and backward on `device`, so that the cuBLAS (and cuBLASLt) workspaces of
+    this thread and of the autograd engine's thread for the device exist: each thread's first product
+    allocates them (about 33 MiB each on an H200, torch 2.11) and keeps them, and the first plan counts them."""
+    with torch.enable_grad(), torch.autocast(device.type, enabled=False):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.ones(16, 16, device=device, dtype=dtype, requires_grad=True)
+            w = torch.ones(16, 16, device=device, dtype=dtype, requires_grad=True)
+            torch.nn.functional.linear(x, w, w[0]).sum().backward()
+    torch.cuda.synchronize(device)
+
+
+def _state_bytes(optimizers: Any) -> int:
+    """Bytes of the optimizers' state on the device once each has stepped: as it is now, with what a torch
+    optimizer's first step will make anticipated (`cost/optimizer_state.py`). A wrapper that shares another's
+    state (accelerate's AcceleratedOptimizer, Lightning's) is counted once, through the optimizer it wraps."""
+    return sum(_one_state_bytes(optimizer) for optimizer in _distinct(optimizers))
+
+
+def _distinct(optimizers: Any) -> list[torch.optim.Optimizer]:
+    """The optimizers with one per state: of a wrapper and the optimizer it wraps (sharing its state), the one
+    it wraps."""
+    by_state: dict[int, torch.optim.Optimizer] = {}
+    for optimizer in list(optimizers):
+        key = id(optimizer.state)
+        if key not in by_state or _wraps(by_state[key]):
+            by_state[key] = optimizer
+    return list(by_state.values())
+
+
+def _wraps(optimizer: Any) -> bool:
+    """Whether `optimizer` wraps another optimizer (and shares its state): `optimizer.optimizer` is one."""
+    return isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer)
+
+
+def _one_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    if callable(getattr(optimizer, "state_bytes", None)):  # a CompressedOptimizer counts its own
+        return optimizer_state_bytes(optimizer)
+    anticipated, known = anticipated_state_bytes(optimizer)
+    if not known and not optimizer.state and id(optimizer) not in _UNKNOWN_SAID:
+        _UNKNOWN_SAID.add(id(optimizer))
+        log.warning("dpcs: the state %s makes at its first step cannot be anticipated (not one of torch's "
+                    "optimizers): the step is planned for it once it exists, and may run over its budget until "
+                    "then", type(optimizer).__name__)
+    return anticipated
+
+
+_UNKNOWN_SAID: set[int] = set()
+
+
+# torch optimizers seen stepping, or found before their first step (`_find_optimizers`); CompressedOptimizers
+# register themselves when made.
+_STEPPED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+
+_FOUND_AT: list[int] = [-1]  # the compile count when the live objects were last searched for optimizers
+
+
+def _find_optimizers() -> None:
+    """Add the live torch optimizers to `_STEPPED`, once per compile: an optimizer made before the first step
+    has not stepped, and its state, made at its first step, is planned for from the first plan on."""
+    count = compile_count()
+    if _FOUND_AT[0] == count:
+        return
+    _FOUND_AT[0] = count
+    for obj in get_objects():
+        kind = type(obj)  # (isinstance would look through a dead weak proxy and raise)
+        if (issubclass(kind, torch.optim.Optimizer) and not issubclass(kind, CompressedOptimizer) and not _inner(obj)
+                and not _wraps(obj)):  # a wrapper's state is the optimizer's it wraps, found on its own
+            _STEPPED.add(obj)
+
+
+def _parameter_ids(blocks: dict[tuple[int, int], _Block], names) -> frozenset[int]:
+    """The ids of the parameters of the named ParameterOffload blocks (those still alive)."""
+    ids = set()
+    for name in names:
+        block = blocks.get(name)
+        po, module = (block.offload(), block.module()) if block is not None else (None, None)
+        if po is not None and module is not None:
+            ids.update(id(p) for p in po.params[module])
+    return frozenset(ids)
+
+
+def _regime(optimizers: Any, offloaded: Any) -> tuple:
+    """How the model state is kept, as an optimizer step's temporaries depend on it: the lever of the "auto"
+    CompressedOptimizers (None without one; they share it) and the ParameterOffload blocks offloaded."""
+    lever = next((o.lever() for o in list(optimizers) if isinstance(o, CompressedOptimizer) and o.auto), None)
+    return lever, frozenset(offloaded)
+
+
+def _decoded(optimizers: Any, blocks: dict[tuple[int, int], _Block]):
+    """A regime's (`_regime`) full-precision chunk bytes, decoded at once by the "auto" CompressedOptimizers'
+    steps (`cost.model_state.step_transient_bytes`)."""
+    auto = [o for o in list(optimizers) if isinstance(o, CompressedOptimizer) and o.auto]
+
+    def decoded(regime: tuple) -> int:
+        lever, offloaded = regime
+        if lever is None:
+            return 0
+        ids = _parameter_ids(blocks, offloaded)
+        return sum(step_transient_bytes(o.state_shape(ids), lever) for o in auto)
+
+    return decoded
+
+
+def _inner(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` is the one a CompressedOptimizer wraps (stepped by it, chunk by chunk)."""
+    return any(optimizer is c.inner for c in INSTANCES)
+
+
+def _offloaded_now() -> set[tuple[int, int]]:
+    """The ParameterOffload blocks offloaded now, by name (id of the offload, id of the module)."""
+    return {(id(po), id(m)) for po in list(OFFLOADS) for m in po.offloaded_modules()}
+
+
+_WATCHING: list[Any] = []
+# What hears each optimizer step start and end: the step recorder (`recorder.STEPS`).
+OBSERVERS: list[Any] = []
+
+
+def _watch_optimizers() -> None:
+    if _WATCHING:
+        return
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    def starts(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        for observer in OBSERVERS:
+            observer.optimizer_starts(optimizer)
+
+    def stepped(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        if not isinstance(optimizer, CompressedOptimizer) and not _inner(optimizer):
+            _STEPPED.add(optimizer)
+        for observer in OBSERVERS:
+            observer.optimizer_ends(optimizer)
+
+    _WATCHING.append(register_optimizer_step_pre_hook(starts))
+    _WATCHING.append(register_optimizer_step_post_hook(stepped))
