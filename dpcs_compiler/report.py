@@ -183,6 +183,8 @@ class StepRecord:
     # Of the predicted peak: the parameter gradients the step made that are alive there (earlier micro-batches'
     # are in `outside_bytes`).
     gradient_bytes: int = 0
+    # Of the predicted peak: FSDP2's parameters gathered there (the running block's, and its neighbours' in flight).
+    gathered_bytes: int = 0
     shapes: int = 1  # step orders planned for together (a data-dependent branch makes several)
     contexts: dict[str, dict[str, Any] | None] = dataclasses.field(default_factory=dict)
     parameter_bytes: int = 0  # the step's parameters (counted once)
@@ -207,20 +209,22 @@ class StepRecord:
     torch_plans: bool = False
 
     def split(self) -> dict[str, int]:
-        """The predicted peak in parts: parameters, optimizer state, DistributedDataParallel's gradient buckets,
-        other memory alive through the step
-        (gradients of earlier micro-batches, memory measured outside the graphs), the parameter gradients the
-        step made that are alive there, activations (everything else the graphs hold there: saved values,
-        their inputs and outputs, gradients of activations), and, when the peak is in the optimizer step, what
-        that step allocates on top (its temporaries)."""
+        """The predicted peak in parts: parameters (FSDP2: this rank's shards), optimizer state,
+        DistributedDataParallel's gradient buckets, other memory alive through the step (gradients of earlier
+        micro-batches, memory measured outside the graphs), FSDP2's gathered parameters there, the parameter
+        gradients the step made that are alive there, activations (everything else the graphs hold there: saved
+        values, their inputs and outputs, gradients of activations), and, when the peak is in the optimizer
+        step, what that step allocates on top (its temporaries)."""
         state = (self.optimizer_state or {}).get("bytes", 0)
         buckets = min(self.bucket_bytes, max(0, self.outside_bytes - state))
         other = max(0, self.outside_bytes - state - buckets)
         step = (self.optimizer_bytes or 0) if self.peak_phase == "optimizer" else 0
         rest = self.predicted_peak_bytes - self.parameter_bytes - state - buckets - other - step
-        gradients = min(self.gradient_bytes, max(0, rest))
+        gathered = min(self.gathered_bytes, max(0, rest))
+        gradients = min(self.gradient_bytes, max(0, rest - gathered))
         return {"parameters": self.parameter_bytes, "optimizer_state": state, "buckets": buckets, "outside_graphs": other,
-                "gradients": gradients, "activations": rest - gradients, "optimizer_step": step}
+                "gathered": gathered, "gradients": gradients, "activations": rest - gathered - gradients,
+                "optimizer_step": step}
 
     def to_json(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "split": self.split()}

@@ -303,6 +303,8 @@ class StepShape:
     # sharded gradients.
     call_parameter_bytes: tuple[int, ...] = ()
     call_gradient_bytes: tuple[int, ...] = ()
+    # Per call (empty: none): FSDP2's parameters gathered for it, of what its graph's timeline counts (for messages).
+    call_gathered_bytes: tuple[int, ...] = ()
     forward_extra_bytes: int = 0  # alive during every forward besides (FSDP2's prefetched next gather)
     backward_extra_bytes: int = 0  # and every backward (FSDP2's gathers and reduce-scatters in flight)
     # Per call (empty: none), alive during its forward / its backward besides: parameters brought in for other
@@ -341,7 +343,7 @@ class StepShape:
             raise ValueError("StepShape.offload_blocks needs per-call uses, parameter and gradient bytes")
         for name in ("inputs_held_before", "held_twice", "call_parameter_bytes", "call_gradient_bytes",
                      "call_forward_extra_bytes", "call_backward_extra_bytes", "call_backward_freed",
-                     "call_keep_saved", "call_forward_others", "call_backward_others"):
+                     "call_keep_saved", "call_forward_others", "call_backward_others", "call_gathered_bytes"):
             if getattr(self, name) and len(getattr(self, name)) != len(self.instances):
                 raise ValueError(f"StepShape.{name} needs one entry per call")
 
@@ -433,6 +435,9 @@ class StepPeak:
     # Of `bytes`: the parameter gradients this step made that are alive there (the graph's own made by then,
     # the later calls'; earlier micro-batches' are memory outside the graphs).
     gradient_bytes: int = 0
+    # Of `bytes`: FSDP2's parameters gathered there (the running block's, and those gathered ahead or reduced
+    # behind it: `StepShape.call_gathered_bytes`, `forward_extra_bytes`, `backward_extra_bytes`).
+    gathered_bytes: int = 0
 
 
 def _calls(shapes: Sequence[StepShape], graphs: Mapping[str, GraphStep], held: Mapping[str, int]):
@@ -483,6 +488,13 @@ def contexts_for(
             for k in forward}
 
 
+def _gathered(shape: StepShape, i: int, phase: str) -> int:
+    """FSDP2's gathered parameters alive at call `i`'s `phase`: its own in its forward and backward, and those
+    its neighbours' gathers and reduce-scatters hold beside it (at the turn, the next forward's prefetch)."""
+    own = shape.call_gathered_bytes[i] if shape.call_gathered_bytes and phase != TURN else 0
+    return own + (shape.backward_extra_bytes if phase == "backward" else shape.forward_extra_bytes)
+
+
 def step_peak(
     shapes: Sequence[StepShape],
     graphs: Mapping[str, GraphStep],
@@ -507,7 +519,7 @@ def step_peak(
             if at >= 0 and (best is None or own + extra > best.bytes):
                 gradients = (graphs[key].gradients_at(at) + sum(_call_gradients(shapes[s], graphs)[i + 1:])
                              if phase == "backward" else 0)
-                best = StepPeak(own + extra, key, s, i, phase, at, gradients)
+                best = StepPeak(own + extra, key, s, i, phase, at, gradients, _gathered(shapes[s], i, phase))
     for s, shape in enumerate(shapes):
         if OPTIMIZER in phases and shape.optimizer_bytes is not None and shape.instances:
             nbytes = end_bytes(shape, graphs) + shape.optimizer_bytes

@@ -32,6 +32,7 @@ from dpcs_compiler.passes.analysis.fusion import inductor_fusion
 from dpcs_compiler.passes.analysis.memory_timeline import MemoryTimeline
 from dpcs_compiler.passes.analysis.op_sites import example_value
 from dpcs_compiler.passes.analysis.op_workspace import WorkspaceTable, layout_optimized
+from dpcs_compiler.passes.analysis.tensor_bytes import hint_int, size_hints
 from dpcs_compiler.passes.infra import (
     AnalysisCache,
     PassContext,
@@ -164,6 +165,7 @@ class GraphJob:
     sharing: Any | None = None  # `passes.analysis.planning.StepSharing`: what the step's other graphs see
     schedule_node_names: tuple[str, ...] = ()  # the planning schedule's nodes (a problem step's name)
     held_excess: dict[str, int] | None = None  # the excess the plan was last held to the budget with
+    sizes: dict[str, int] = dataclasses.field(default_factory=dict)  # dynamic shapes: what the plan is for (`planned_sizes`)
     # Kernels' own workspace under a budget, by the compiler measured for (`with_workspace`): the job's, and a
     # stand-in's step view's.
     workspaces: dict[str, WorkspaceTable] = dataclasses.field(default_factory=dict)
@@ -331,7 +333,7 @@ class GraphJob:
         held = describe_budget(budget)
         if self.provisional:
             message = (
-                f"{held} cannot be met for {self.record.graph}: the smallest peak dpcs can reach is "
+                f"{held} cannot be met for {self.record.graph}{at_sizes(self.sizes)}: the smallest peak dpcs can reach is "
                 f"{format_bytes(memory.peak_bytes)} ({memory.peak_bytes} B), its lowest plan compiled after "
                 f"{self.record.replans} re-plans ({source} holds {over or 'nothing'} beyond the plan model)"
             )
@@ -515,6 +517,24 @@ def has_symbolic_shapes(gm: fx.GraphModule) -> bool:
         if isinstance(v := n.meta.get("val"), torch.Tensor)
         for d in v.shape
     )
+
+
+def planned_sizes(gm: fx.GraphModule, hints: Sequence[tuple[str, int]] = ()) -> dict[str, int]:
+    """The sizes a graph with dynamic shapes is planned for: each shape symbol of its tensors, at `hints` (a
+    runtime variant's size bucket, `DpcsOptions.size_hints`) or as traced; {} for a graph of static shapes."""
+    symbols: dict[str, Any] = {}
+    for n in gm.graph.nodes:
+        if isinstance(v := n.meta.get("val"), torch.Tensor):
+            for d in v.shape:
+                if isinstance(d, torch.SymInt):
+                    symbols.update({str(s): (s, d.node.shape_env) for s in d.node.expr.free_symbols})
+    with size_hints(hints):
+        return {name: hint_int(symbol, env) for name, (symbol, env) in sorted(symbols.items())}
+
+
+def at_sizes(sizes: dict[str, int]) -> str:
+    """" at sizes s0=64, s1=8" for a message about a plan made for these sizes; "" for static shapes."""
+    return f" at sizes {', '.join(f'{k}={v}' for k, v in sizes.items())}" if sizes else ""
 
 
 def describe_budget(budget: int) -> str:

@@ -50,9 +50,11 @@ from dpcs_compiler.stages.job import (
     BudgetInfeasibleError,
     GraphJob,
     StepView,
+    at_sizes,
     describe_budget,
     graph_device,
     has_symbolic_shapes,
+    planned_sizes,
     value_dtype,
 )
 from dpcs_compiler.types import NodeCost
@@ -407,7 +409,8 @@ def plan_memory_budget(
     if has_symbolic_shapes(joint):
         # Planned for the sizes the shape symbols are evaluated at: the traced ones, or the size bucket's a
         # runtime variant is compiled for (`runtime/variants.py`); larger calls get their own variant.
-        log.info("%s: dynamic shapes, planned for sizes %s", job.record.graph, dict(options.size_hints) or "as traced")
+        job.sizes = planned_sizes(joint, options.size_hints)
+        log.info("%s: dynamic shapes, planned for sizes %s", job.record.graph, job.sizes)
     decisions = solution.decisions
     values = tuple(
         ValueDecision(
@@ -452,7 +455,7 @@ def plan_memory_budget(
     )
     if not solution.feasible and not job.provisional:
         message = (
-            f"{describe_budget(budget)} cannot be met for {record.graph}: the smallest peak "
+            f"{describe_budget(budget)} cannot be met for {record.graph}{at_sizes(job.sizes)}: the smallest peak "
             f"dpcs can reach is {format_bytes(solution.peak_bytes)} ({solution.peak_bytes} B), with "
             f"{decisions.count(SAVE)} values saved, {record.recomputed_values} recomputed and "
             f"{record.offloaded_values} offloaded (+{solution.added_seconds * 1e3:.2f} ms per step estimated)"

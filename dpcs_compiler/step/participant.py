@@ -22,7 +22,8 @@ class Participant(Protocol):
 
     name: str  # the graph's name in step records
     options: DpcsOptions
-    bucket: tuple[int, ...]  # its size bucket now (dynamic shapes)
+    bucket: tuple[int, ...]  # its size bucket now (dynamic shapes): a size per symbol of `size_symbols`
+    size_symbols: tuple[Any, ...]  # its shape symbols (`runtime.variants.SizeSymbol`: each has a `name`)
     provisional: set[tuple[int, ...]]  # buckets whose step context was set before their step was seen
     root: weakref.ref[torch.nn.Module] | None  # the module torch.compile wrapped
     forward_only: bool  # a watched call made no autograd graph

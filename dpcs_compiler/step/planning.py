@@ -47,7 +47,7 @@ from dpcs_compiler.model_states.compressed_optimizer import CompressedOptimizer,
 from dpcs_compiler.debug import progress
 from dpcs_compiler.solve import fits, solved_decisions
 from dpcs_compiler.solve.model_state import StepWithState, choose_state_lever
-from dpcs_compiler.stages.job import describe_budget
+from dpcs_compiler.stages.job import at_sizes, describe_budget
 from dpcs_compiler.step.calls import _counted, _node_name, _step_ids, _where
 from dpcs_compiler.step.holdings import (
     _Block,
@@ -467,6 +467,7 @@ class Planning:
             end_bytes=end,
             optimizer_bytes=max((s.optimizer_bytes for s in shapes if s.optimizer_bytes is not None), default=None),
             gradient_bytes=peak.gradient_bytes,
+            gathered_bytes=peak.gathered_bytes,
             shapes=len(shapes),
             contexts={k: (c.to_json() if c else None) for k, c in plan.contexts.items()},
             parameter_bytes=max(s.parameter_bytes for s in shapes),
@@ -479,9 +480,11 @@ class Planning:
         if plan.feasible:
             return record, None, shapes
         held = graphs[holds_most].held(plan.levels[holds_most].boundary, plan.levels[holds_most].recomputed)
+        # Dynamic shapes: the sizes planned for (a step is planned per size bucket of its graphs).
+        sizes = dict(sorted({s.name: b for d in dispatchers.values() for s, b in zip(d.size_symbols, d.bucket)}.items()))
         message = (
             f"{describe_budget(budget or 0)} cannot be met for the training step of {len(record.calls)} graph calls "
-            f"({', '.join(_counted(record.calls))}): the smallest step peak dpcs can reach is "
+            f"({', '.join(_counted(record.calls))}){at_sizes(sizes)}: the smallest step peak dpcs can reach is "
             f"{format_bytes(peak.bytes)} ({peak.bytes} B), {_where(peak.phase, peak.graph, peak_node)}; "
             f"{holds_most} holds the most for its backward while the others run ({format_bytes(held)})"
             f"{_split(record)}"

@@ -427,6 +427,7 @@ class StepRecorder(Measuring, Planning):
             held_twice=tuple(held_twice),
             call_parameter_bytes=tuple(sum(c.parameters.values()) for c in calls),
             call_gradient_bytes=tuple(c.own_gradients for c in calls),
+            call_gathered_bytes=tuple(c.gathered for c in calls) if fsdp else (),
             call_backward_freed=tuple(c.freed for c in calls),
             call_keep_saved=tuple(c.keep_saved for c in calls),
             call_forward_others=tuple(c.forward_others for c in calls),

@@ -101,10 +101,13 @@ def _split(record: StepRecord) -> str:
     parts = record.split()
     lever = record.optimizer_state or {}
     kept = f" kept {lever['format']}{' in host memory' if lever.get('on_host') else ''}" if lever.get("chosen") else ""
-    buckets = parts["buckets"]
-    return (f"; of it: parameters {format_bytes(parts['parameters'])}, optimizer state{kept} "
-            f"{format_bytes(parts['optimizer_state'])}, "
+    buckets, gathered = parts["buckets"], parts["gathered"]
+    shards = " (FSDP2: this rank's shards)" if gathered else ""
+    return (f"; of it: parameters {format_bytes(parts['parameters'])}{shards}, "
+            f"optimizer state{kept} {format_bytes(parts['optimizer_state'])}, "
             + (f"DistributedDataParallel's gradient buckets {format_bytes(buckets)}, " if buckets else "")
+            + (f"FSDP2's gathered parameters (the running block's and those in flight beside it) "
+               f"{format_bytes(gathered)}, " if gathered else "")
             + f"other memory alive through the step {format_bytes(parts['outside_graphs'])}, gradients "
             f"{format_bytes(parts['gradients'])}, activations {format_bytes(parts['activations'])}"
             + (f", the optimizer step's temporaries {format_bytes(parts['optimizer_step'])}"

@@ -12,6 +12,7 @@ from dpcs_compiler.cost.budget import RUNTIME_ALLOWANCE_BYTES
 from dpcs_compiler.cost.memory_model import RECOMPUTE, SAVE, Candidate, MemoryProblem, plan_memory, plan_seconds
 from dpcs_compiler.cost.step_model import (
     OPTIMIZER,
+    TURN,
     OffloadBlocks,
     with_offloaded,
     GraphLevels,
@@ -197,6 +198,24 @@ def test_a_backward_peak_names_the_gradients_alive_there():
     peak = step_peak([StepShape(("A", "B"), 0)], graphs, levels, ("backward",))
     assert peak.phase == "backward" and peak.graph == "A"  # A's backward runs with B's gradients left behind
     assert peak.gradient_bytes == graphs["A"].gradients_at(peak.step) + 200
+
+
+def test_a_peak_names_fsdp2s_gathered_parameters_alive_there():
+    """FSDP2 (`StepShape.call_gathered_bytes`): the running block's gathered parameters are in its graph's own
+    timeline; the next gather (forward) or the gathers and reduce-scatters in flight (backward) beside it. The
+    peak names their bytes for the refusal's split (`StepRecord.split`)."""
+    p = problem()
+    graphs = {k: graph(k, p, target=10_000, shared=0) for k in "AB"}
+    levels = {k: GraphLevels.of(p, (SAVE, SAVE)) for k in "AB"}
+    shape = StepShape(("A", "B"), 40, call_gathered_bytes=(30, 20), forward_extra_bytes=30, backward_extra_bytes=90)
+    forward = step_peak([shape], graphs, levels, ("forward",))
+    assert forward.gathered_bytes == shape.call_gathered_bytes[forward.instance] + 30
+    backward = step_peak([shape], graphs, levels, ("backward",))
+    assert backward.gathered_bytes == shape.call_gathered_bytes[backward.instance] + 90
+    assert step_peak([shape], graphs, levels, (TURN,)).gathered_bytes == 30  # the next forward's prefetch only
+    assert step_peak([StepShape(("A", "B"), 40)], graphs, levels).gathered_bytes == 0  # no FSDP2: nothing gathered
+    with pytest.raises(ValueError, match="call_gathered_bytes needs one entry per call"):
+        StepShape(("A", "B"), 40, call_gathered_bytes=(30,))
 
 
 def test_plan_step_keeps_plans_that_already_fit_the_step():

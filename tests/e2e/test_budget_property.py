@@ -102,6 +102,8 @@ def _check(shape: str, compiler: str, draws: int) -> None:
         refusal = _refusal(raised.value)
         assert refusal is not None, f"{shape}, {compiler}: a budget below the lowest peak raised {raised.value!r}"
         assert re.search(r"the smallest (step )?peak dpcs can reach is", str(refusal)), refusal
+        if shape == "dynamic":  # the sizes it was refused at (issue 58, item 4)
+            assert re.search(r" at sizes \w+=\d+", str(refusal)), refusal
         print(f"  budget {below} B: refused ({str(refusal)[:160]}...)")
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from dpcs_testing import dpcs_compile
+from dpcs_testing import allowing_best_plan, dpcs_compile
 from dpcs_compiler import clear_compile_records, compile_records
 from dpcs_compiler.cost.budget import WORKSPACE_FRACTION
 from dpcs_compiler.measure import measure_peak_memory, measure_training_step, resident_bytes
@@ -151,6 +151,29 @@ def test_no_step_plan_fits_names_the_smallest_step_peak_and_the_graph_that_holds
         w.loss_fn(compiled(*w.inputs)).backward()
     with pytest.raises(BudgetInfeasibleError, match=r"training step of 3 graph calls.*smallest step peak.*holds the most"):
         compiled(*w.inputs)
+
+
+def test_a_dynamic_shape_step_no_plan_fits_is_refused_at_its_sizes(step_range):
+    """The same step compiled with dynamic shapes: the refusal names the sizes its step was planned for, as a
+    graph's own refusal does (issue 58, item 4)."""
+    w, _, _, _ = step_range
+    (x,) = w.inputs
+
+    def compiled_at(budget, **options):
+        torch._dynamo.reset()
+        clear_compile_records()
+        return torch.compile(w.model, backend="dpcs", dynamic=True,
+                             options={"compiler": "eager", "memory_budget": budget, **options})
+
+    best = compiled_at(1, on_infeasible="best")
+    with allowing_best_plan():
+        for _ in range(3):
+            w.loss_fn(best(x)).backward()
+    lowest = step_records()[-1].predicted_peak_bytes
+    compiled = compiled_at(int(lowest * 0.97))
+    with pytest.raises(BudgetInfeasibleError, match=r"training step of 3 graph calls \(.*\) at sizes \w+=1024"):
+        for _ in range(4):
+            w.loss_fn(compiled(x)).backward()
 
 
 def test_both_sides_of_a_data_dependent_branch_hold_the_budget(step_range):

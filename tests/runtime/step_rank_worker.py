@@ -114,8 +114,6 @@ class ParameterMLP(torch.nn.Module):
 def ddp_unreachable(rank: int, world: int, budget: int, compiler: str) -> dict:
     """DDP with 1 MB buckets under `budget`, default options but the compiler: the step at which dpcs raised, and
     what it said (or the measured peak if it did not)."""
-    from dpcs_compiler.stages.job import BudgetInfeasibleError
-
     torch.manual_seed(0)
     model = ParameterMLP()
     wrapped = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
@@ -127,15 +125,59 @@ def ddp_unreachable(rank: int, world: int, budget: int, compiler: str) -> dict:
         model.zero_grad(set_to_none=True)
         compiled(x).square().mean().backward()
 
-    for i in range(WARMUP_STEPS):
-        try:
-            step()
-        except BudgetInfeasibleError as error:
-            return {"raised_at": i, "message": str(error)}
+    raised = _refused_at(step)
+    if raised is not None:
+        return raised
     buckets = sum(p.numel() * p.element_size() for p in model.parameters())  # one flat copy of every gradient
     model.zero_grad(set_to_none=True)
     _, peak = measure_peak_memory(step)
     return {"raised_at": None, "measured_peak": peak.absolute(resident_bytes([*model.parameters(), x]) + buckets)}
+
+
+def fsdp_unreachable(rank: int, world: int, budget: int) -> dict:
+    """FSDP2 per block under `budget`, default options but the eager compiler: the step at which dpcs raised,
+    and what it said (or the measured peak if it did not)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = LayerNormStack()
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    compiled = torch.compile(model, backend="dpcs", options={"compiler": "eager", **({"memory_budget": budget} if budget else {})})
+    x = global_batch().chunk(world)[rank].contiguous()
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        compiled(x).square().mean().backward()
+
+    raised = _refused_at(step)
+    if raised is not None:
+        return raised
+    model.zero_grad(set_to_none=True)
+    _, peak = measure_peak_memory(step)
+    shards = sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters())
+    return {"raised_at": None, "measured_peak": peak.absolute(shards + resident_bytes([x]))}
+
+
+def _refused_at(step) -> dict | None:
+    """Run WARMUP_STEPS steps: the first that raised BudgetInfeasibleError (Dynamo wraps a backend's errors),
+    with its message; None if none did."""
+    from dpcs_compiler.stages.job import BudgetInfeasibleError
+
+    for i in range(WARMUP_STEPS):
+        try:
+            step()
+        except Exception as error:  # noqa: BLE001 - unwrapped below; anything else is raised again
+            cause = error
+            while cause is not None and not isinstance(cause, BudgetInfeasibleError):
+                cause = getattr(cause, "inner_exception", None) or cause.__cause__
+            if cause is None:
+                raise
+            return {"raised_at": i, "message": str(cause)}
+    return None
 
 
 def main() -> None:
@@ -148,7 +190,7 @@ def main() -> None:
         if scenario.startswith("ddp_unreachable:"):  # ddp_unreachable:COMPILER
             out = ddp_unreachable(rank, world, int(budget), scenario.partition(":")[2])
         else:
-            out = {"ddp": ddp, "fsdp": fsdp}[scenario](rank, world, int(budget))
+            out = {"ddp": ddp, "fsdp": fsdp, "fsdp_unreachable": fsdp_unreachable}[scenario](rank, world, int(budget))
     torch.save(out, result)
     leave()
 

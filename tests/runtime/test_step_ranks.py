@@ -6,6 +6,7 @@ process's on the whole batch."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -103,6 +104,27 @@ def _unreachable(tmp_path: Path, compiler: str) -> None:
     buckets = 6 * (512 * 512 + 512) * 4
     assert f"DistributedDataParallel's gradient buckets {format_bytes(buckets)}" in message, message
     assert one["message"].split("; of it")[0] == message.split("; of it")[0]  # the same verdict on both ranks
+
+
+# FSDP2: the lowest step peak dpcs reaches is 31.1 MiB (predicted; each rank's shards 6.0 MiB, 8.0 MiB of
+# gathered parameters at the peak): a budget of 24 MiB is refused.
+FSDP_UNREACHABLE = 25_165_824
+
+
+def test_fsdp2_budget_below_the_lowest_step_peak_is_refused_on_every_rank_naming_shards_and_gathers(tmp_path):
+    """FSDP2 per block, default options, a budget below the lowest step peak: both ranks raise at the same
+    step, with the smallest peak split as for any step: this rank's shards as its parameters, and the gathered
+    parameters (the running block's, and those in flight beside it) named, not counted as activations (issue 58,
+    item 4)."""
+    zero, one = run_ranks(tmp_path, "fsdp_unreachable", FSDP_UNREACHABLE)
+    assert zero["raised_at"] is not None and zero["raised_at"] == one["raised_at"], (zero, one)
+    message = zero["message"]
+    assert "cannot be met for the training step" in message and "the smallest step peak dpcs can reach" in message
+    assert "(FSDP2: this rank's shards)" in message, message
+    gathered = re.search(r"FSDP2's gathered parameters \(the running block's and those in flight beside it\) "
+                         r"([0-9.]+) MiB", message)
+    assert gathered is not None and float(gathered.group(1)) > 0, message
+    assert one["message"] == message  # the same verdict on both ranks
 
 
 def test_ddp_budget_below_its_parameters_gradients_and_buckets_is_refused_on_every_rank(tmp_path):
