@@ -64,7 +64,9 @@ def ddp(rank: int, world: int, budget: int) -> dict:
     }
 
 
-def fsdp(rank: int, world: int, budget: int) -> dict:
+def _fsdp_step(rank: int, world: int, options: dict):
+    """LayerNormStack sharded per block with FSDP2, compiled through dpcs with `options`: (model, its input, one
+    training step, the bytes alive before a step: this rank's shards and the input)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -74,23 +76,25 @@ def fsdp(rank: int, world: int, budget: int) -> dict:
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    compiled = torch.compile(
-        model, backend="dpcs", options={"compiler": "eager", "strict": True, "memory_budget": budget}
-    )
+    compiled = torch.compile(model, backend="dpcs", options=options)
     x = global_batch().chunk(world)[rank].contiguous()
 
     def step():
         model.zero_grad(set_to_none=True)
         compiled(x).square().mean().backward()
 
+    shards = sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters())
+    return model, step, shards + resident_bytes([x])
+
+
+def fsdp(rank: int, world: int, budget: int) -> dict:
+    model, step, resident = _fsdp_step(rank, world, {"compiler": "eager", "strict": True, "memory_budget": budget})
     for _ in range(WARMUP_STEPS):
         step()
     model.zero_grad(set_to_none=True)
     _, peak = measure_peak_memory(step)
-    # Alive before the step: this rank's shards of the parameters, and the input.
-    shards = sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters())
     return {
-        "measured_peak": peak.absolute(shards + resident_bytes([x])),
+        "measured_peak": peak.absolute(resident),
         "grads": [p.grad.full_tensor().detach().clone() for p in model.parameters()],
         "steps": [r.to_json() for r in step_records()],
         "plan_hashes": [r.plan_hash for r in compile_records() if r.mode == "training"],
@@ -137,29 +141,13 @@ def ddp_unreachable(rank: int, world: int, budget: int, compiler: str) -> dict:
 def fsdp_unreachable(rank: int, world: int, budget: int) -> dict:
     """FSDP2 per block under `budget`, default options but the eager compiler: the step at which dpcs raised,
     and what it said (or the measured peak if it did not)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    model = LayerNormStack()
-    mesh = init_device_mesh("cpu", (world,))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    compiled = torch.compile(model, backend="dpcs", options={"compiler": "eager", **({"memory_budget": budget} if budget else {})})
-    x = global_batch().chunk(world)[rank].contiguous()
-
-    def step():
-        model.zero_grad(set_to_none=True)
-        compiled(x).square().mean().backward()
-
+    model, step, resident = _fsdp_step(rank, world, {"compiler": "eager", **({"memory_budget": budget} if budget else {})})
     raised = _refused_at(step)
     if raised is not None:
         return raised
     model.zero_grad(set_to_none=True)
     _, peak = measure_peak_memory(step)
-    shards = sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters())
-    return {"raised_at": None, "measured_peak": peak.absolute(shards + resident_bytes([x]))}
+    return {"raised_at": None, "measured_peak": peak.absolute(resident)}
 
 
 def _refused_at(step) -> dict | None:
