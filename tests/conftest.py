@@ -25,6 +25,9 @@ SLOW_IN_DEFAULT_RUN = frozenset({
     "tests/e2e/test_correctness.py::test_training_step_matches_eager[gpt-inductor]",
     "tests/passes/rewrite/test_backward_order.py::test_under_inductor_the_lowest_plan_keeps_the_order_inductor_schedules_lower",
     "tests/test_examples.py::test_the_adaptive_demonstration_shows_each_event",
+    # Second variants: gpt keeps the first-plan test in the default run, the eager graph-break test the step's.
+    "tests/e2e/test_first_plan.py::test_every_step_from_the_first_fits_a_budget_with_adamw_made_before_it[hf_gpt2]",
+    "tests/e2e/test_step_budget.py::test_graph_breaks_hold_the_step_budget_under_inductor",
 })
 
 
