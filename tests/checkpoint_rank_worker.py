@@ -14,14 +14,13 @@ the extra values and the full parameters at the end.
 from __future__ import annotations
 
 import sys
-import warnings
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rank_process import join, leave, report_crashes, sharded_stack  # noqa: E402
+from rank_process import join, leave, report_crashes, see_dpcs_warnings, sharded_stack  # noqa: E402
 
 from dpcs_compiler import checkpoint  # noqa: E402
 
@@ -45,7 +44,7 @@ def main() -> None:
     ready = sys.argv[7] if len(sys.argv) > 7 else None
     rank, world = int(rank), int(world)
     join(store, rank, world)
-    warnings.simplefilter("ignore")
+    see_dpcs_warnings()
     model, optimizer = model_and_optimizer(world)
     extra = {"batch": 0}
     start = 0

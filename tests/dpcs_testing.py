@@ -77,8 +77,7 @@ def measured_step(w, compiler: str, **options):
     torch._dynamo.reset()
     clear_compile_records()
     compiled = dpcs_compile(w.model, compiler, **options)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # on_infeasible="best" warns; the record says it
+    with allowing_best_plan():  # any other dpcs warning fails the test
         result = measure_training_step(w.model, compiled, w.inputs, loss_fn=w.loss_fn, warmup=1, repeats=1)
     (record,) = [r for r in compile_records() if r.mode == "training"]
     return result, record
@@ -93,8 +92,7 @@ def assert_gradients_match_eager(w, **options) -> None:
     compiled = dpcs_compile(w.model, **options)
     for model, fn in ((w.model, compiled), (eager, eager)):
         model.zero_grad(set_to_none=True)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with allowing_best_plan():  # any other dpcs warning fails the test
             w.loss_fn(fn(*w.inputs)).backward()
     for (name, p), q in zip(w.model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
@@ -217,8 +215,7 @@ def squared_linears_step(model, x, **options):
     torch._dynamo.reset()
     clear_compile_records()
     compiled = dpcs_compile(model, "eager", **SQUARED_LINEARS_PRECISION, **options)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # on_infeasible="best" warns; the record says it
+    with allowing_best_plan():  # any other dpcs warning fails the test
         compiled(x).backward()
     (record,) = [r for r in compile_records() if r.mode == "training"]
     return record

@@ -21,7 +21,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dpcs_testing import SQUARED_LINEARS_PRECISION, SquaredLinears  # noqa: E402
-from rank_process import join, leave, report_crashes  # noqa: E402
+from rank_process import join, leave, report_crashes, see_dpcs_warnings  # noqa: E402
 from dpcs_compiler import compile_records  # noqa: E402
 from dpcs_compiler.distributed import rank_agreement  # noqa: E402
 from dpcs_compiler.cost import hardware  # noqa: E402
@@ -45,7 +45,7 @@ def main() -> None:
     compiled = torch.compile(model, backend="dpcs", options={**SQUARED_LINEARS_PRECISION, **options})
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+            see_dpcs_warnings()
             compiled(x).backward()
         (record,) = [r for r in compile_records() if r.mode == "training"]
         result = {

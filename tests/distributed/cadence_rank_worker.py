@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
 from cadence_scenarios import LR, ROUNDS, SPEEDS, loss_of, make_net, micro_batch  # noqa: E402
-from rank_process import join, leave, report_crashes  # noqa: E402
+from rank_process import join, leave, report_crashes, see_dpcs_warnings  # noqa: E402
 from dpcs_compiler import Runtime  # noqa: E402
 from dpcs_compiler.distributed.cadence import Cadence, CadenceError  # noqa: E402
 
@@ -106,7 +106,7 @@ def main() -> None:
     rank, world = int(rank), int(world)
     join(store, rank, world)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        see_dpcs_warnings()
         if scenario == "exact":
             out = {"eager": train(rank, False, Path(telemetry)), "compiled": train(rank, True, Path(telemetry))}
         elif scenario == "adapt":

@@ -11,11 +11,10 @@ import copy
 import dataclasses
 import warnings
 
-import pytest
 import torch
 from torch import nn
 
-from dpcs_testing import dpcs_compile
+from dpcs_testing import allowing_best_plan, dpcs_compile
 from dpcs_compiler import DpcsFallbackWarning, clear_compile_records, compile_records
 from dpcs_compiler.cost.profiles import BUILTIN_PROFILES
 from dpcs_compiler.passes.rewrite.offload import OFFLOAD, RELOAD
@@ -58,8 +57,7 @@ def planned_record(model: nn.Module, x: torch.Tensor, **options):
     """Compile afresh under autocast with these options and run one step: the training graph's record."""
     torch._dynamo.reset()
     clear_compile_records()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # on_infeasible="best" warns; the record says it
+    with allowing_best_plan():  # any other dpcs warning fails the test
         autocast_step(model, dpcs_compile(model, **options), x)
     (record,) = [r for r in compile_records() if r.mode == "training"]
     return record

@@ -11,7 +11,6 @@ state dicts (local shards) and the full parameters of both.
 from __future__ import annotations
 
 import sys
-import warnings
 from pathlib import Path
 
 import torch
@@ -19,7 +18,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rank_process import join, leave, report_crashes, sharded_stack  # noqa: E402
+from rank_process import join, leave, report_crashes, see_dpcs_warnings, sharded_stack  # noqa: E402
 
 from dpcs_compiler.model_states.compressed_optimizer import CompressedOptimizer  # noqa: E402
 
@@ -58,7 +57,7 @@ def main() -> None:
     rank, world, store, checkpoint, result = sys.argv[1:6]
     rank, world = int(rank), int(world)
     join(store, rank, world)
-    warnings.simplefilter("ignore")
+    see_dpcs_warnings()
     generator = torch.Generator().manual_seed(10 + rank)
     batches = [torch.randn(8, 48, generator=generator) for _ in range(5)]
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rank_process import join, leave, report_crashes  # noqa: E402
+from rank_process import join, leave, report_crashes, see_dpcs_warnings  # noqa: E402
 from runtime_scenarios import SWITCHES, WIDTH, Blocks, apply_switch, global_batch  # noqa: E402
 from dpcs_compiler import PrecisionPolicy, Runtime  # noqa: E402
 
@@ -79,7 +79,7 @@ def main() -> None:
     rank, world = int(rank), int(world)
     join(store, rank, world)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        see_dpcs_warnings()
         out = overflow(rank) if scenario == "overflow" else ddp(rank, world)
     torch.save(out, result)
     leave()

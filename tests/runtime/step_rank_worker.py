@@ -25,7 +25,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rank_process import join, leave, report_crashes  # noqa: E402
+from rank_process import join, leave, report_crashes, see_dpcs_warnings  # noqa: E402
 from step_scenarios import LayerNormStack, global_batch  # noqa: E402
 
 from dpcs_compiler import compile_records  # noqa: E402
@@ -174,7 +174,7 @@ def main() -> None:
     rank, world = int(rank), int(world)
     join(store, rank, world)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        see_dpcs_warnings()
         if scenario.startswith("ddp_unreachable:"):  # ddp_unreachable:COMPILER
             out = ddp_unreachable(rank, world, int(budget), scenario.partition(":")[2])
         else:
