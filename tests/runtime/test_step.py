@@ -513,6 +513,7 @@ def test_a_compile_that_raised_or_cleared_dynamo_counters_count_as_compiles_that
 
 
 EXITS_DURING_A_MEASURED_STEP = """
+import warnings
 import torch
 model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
 compiled = torch.compile(model, backend="dpcs", options={"compiler": "eager", "memory_budget": 1, "on_infeasible": "best"})
