@@ -54,6 +54,15 @@ def allowing_best_plan():
         yield
 
 
+def budget_refusal(error: BaseException | None):
+    """The BudgetInfeasibleError `error` is or wraps (Dynamo wraps a backend's errors), or None."""
+    from dpcs_compiler.stages.job import BudgetInfeasibleError
+
+    while error is not None and not isinstance(error, BudgetInfeasibleError):
+        error = getattr(error, "inner_exception", None) or error.__cause__
+    return error
+
+
 def dpcs_compile(model, compiler: str = "eager", **options):
     """torch.compile through dpcs; the test suite runs strict so a dpcs failure is a test failure."""
     return torch.compile(model, backend="dpcs", options={"compiler": compiler, "strict": True, **options})

@@ -25,8 +25,7 @@ from dpcs_compiler import clear_compile_records, compile_records
 from dpcs_compiler.measure import measure_peak_memory, measure_training_step, resident_bytes
 from dpcs_compiler.models import GPTConfig, MiniGPT, workload
 from dpcs_compiler.report import step_records
-from dpcs_compiler.stages.job import BudgetInfeasibleError
-from dpcs_testing import allowing_best_plan, dpcs_compile
+from dpcs_testing import allowing_best_plan, budget_refusal, dpcs_compile
 
 SEED = int(os.environ.get("DPCS_PROPERTY_SEED", "58"))
 WARMUP = 4  # steps before the measured one (at each length): first plans, the step plan, a correction, steady
@@ -99,19 +98,12 @@ def _check(shape: str, compiler: str, draws: int) -> None:
         below = lowest - max(1, lowest // 50)
         with pytest.raises(Exception) as raised:  # from a compile, Dynamo's BackendCompilerFailed around it
             run(compiler, memory_budget=below)
-        refusal = _refusal(raised.value)
+        refusal = budget_refusal(raised.value)
         assert refusal is not None, f"{shape}, {compiler}: a budget below the lowest peak raised {raised.value!r}"
         assert re.search(r"the smallest (step )?peak dpcs can reach is", str(refusal)), refusal
         if shape == "dynamic":  # the sizes it was refused at (issue 58, item 4)
             assert re.search(r" at sizes \w+=\d+", str(refusal)), refusal
         print(f"  budget {below} B: refused ({str(refusal)[:160]}...)")
-
-
-def _refusal(error: BaseException | None) -> BudgetInfeasibleError | None:
-    """The BudgetInfeasibleError `error` is or wraps (Dynamo wraps a backend's errors)."""
-    while error is not None and not isinstance(error, BudgetInfeasibleError):
-        error = getattr(error, "inner_exception", None) or error.__cause__
-    return error
 
 
 @pytest.mark.parametrize("shape", ["one_graph", "graph_breaks", pytest.param("dynamic", marks=pytest.mark.slow)])

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rank_process import join, leave, report_crashes, see_dpcs_warnings  # noqa: E402
+from dpcs_testing import budget_refusal  # noqa: E402
 from step_scenarios import LayerNormStack, global_batch  # noqa: E402
 
 from dpcs_compiler import compile_records  # noqa: E402
@@ -153,18 +154,14 @@ def fsdp_unreachable(rank: int, world: int, budget: int) -> dict:
 def _refused_at(step) -> dict | None:
     """Run WARMUP_STEPS steps: the first that raised BudgetInfeasibleError (Dynamo wraps a backend's errors),
     with its message; None if none did."""
-    from dpcs_compiler.stages.job import BudgetInfeasibleError
-
     for i in range(WARMUP_STEPS):
         try:
             step()
         except Exception as error:  # noqa: BLE001 - unwrapped below; anything else is raised again
-            cause = error
-            while cause is not None and not isinstance(cause, BudgetInfeasibleError):
-                cause = getattr(cause, "inner_exception", None) or cause.__cause__
-            if cause is None:
+            refusal = budget_refusal(error)
+            if refusal is None:
                 raise
-            return {"raised_at": i, "message": str(cause)}
+            return {"raised_at": i, "message": str(refusal)}
     return None
 
 
