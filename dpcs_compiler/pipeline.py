@@ -85,5 +85,5 @@ def _count_replan(job: GraphJob, over: ScheduleOverBudget) -> None:
     if job.plan.torch_plan:  # torch's partition, tried, went over: dpcs plans from now on
         job.torch_plan_refused = True
     for kind, excess in over.excess.items():
-        job.schedule_excess[kind] = max(job.schedule_excess[kind], excess)
+        job.schedule_excess[kind] = max(job.schedule_excess.get(kind, 0), excess)
     log.info("%s: re-planning, the compiled graphs hold more than planned: %s", job.record.graph, over.excess)

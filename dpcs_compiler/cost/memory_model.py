@@ -23,7 +23,7 @@ Everything here is a pure function of plain data: no graphs, no torch. Positions
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -101,17 +101,36 @@ class MemoryProblem:
     def steps(self) -> int:
         return len(self.base_bytes)
 
-    def with_schedule_excess(self, forward_bytes: int, backward_bytes: int) -> MemoryProblem:
+    def with_schedule_excess(self, forward_bytes: int, backward_bytes: int, boundary_bytes: int | None = None
+                             ) -> MemoryProblem:
         """The problem with bytes added to every forward / backward step: what the compiled graphs hold
         beyond the modelled order (Inductor's fused kernels), as read on a compiled plan. Negative amounts
         (a schedule that holds less) are taken as given: the prediction of that plan; callers that plan
-        with it pass only positive ones, so a plan is never loosened by what another plan's schedule did."""
-        if forward_bytes == 0 and backward_bytes == 0:
+        with it pass only positive ones, so a plan is never loosened by what another plan's schedule did.
+
+        `boundary_bytes`: of those, what is alive between the phases, before the backward's first step (what
+        the forward leaves beyond the model; `cost.step_model.boundary_level` reads it there). None: the
+        backward's bytes, as if its excess were held from its start. A backward's excess is mostly a peak
+        inside it (a fused kernel's outputs made at once): on the graph-break net, a 512 KiB excess of one
+        backward counted at the boundary broke the step's cap on it, and its compile re-planned to recompute
+        1.5 MiB more than the step needed (the step measured 20% under its budget)."""
+        if forward_bytes == 0 and backward_bytes == 0 and not boundary_bytes:
             return self
         extra = self._per_phase(forward_bytes, backward_bytes)
-        return dataclasses.replace(
-            self, base_bytes=self.base_bytes + extra, base_before_bytes=self.base_before_bytes + extra
-        )
+        before = self.base_before_bytes + extra
+        if boundary_bytes is not None and self.backward_start < self.steps:
+            before[self.backward_start] += boundary_bytes - backward_bytes
+        return dataclasses.replace(self, base_bytes=self.base_bytes + extra, base_before_bytes=before)
+
+    def with_excess(self, excess: Mapping[str, int], *, planning: bool = False) -> MemoryProblem:
+        """`with_schedule_excess` of an excess as the compile reads it: {"forward", "backward"} and, where known,
+        "boundary" (bytes). `planning`: only what is above zero (a plan is planned with what another plan's
+        schedule held beyond the model, never with what it held below)."""
+        def get(key: str) -> int | None:
+            value = excess.get(key)
+            return None if value is None else max(0, value) if planning else value
+
+        return self.with_schedule_excess(get("forward") or 0, get("backward") or 0, get("boundary"))
 
     def with_schedule_credit(self, forward_bytes: int, backward_bytes: int) -> MemoryProblem:
         """The problem with bytes (<= 0) taken off the bytes during every forward / backward step, not those

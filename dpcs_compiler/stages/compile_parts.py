@@ -382,6 +382,9 @@ class PartCompiler:
         assumed = job.partition_excess if job.plan.torch_plan else job.schedule_excess
         counted = {k: job.measured_excess.get(k, assumed[k]) for k in ("forward", "backward")}
         counted[kind] = excess
+        # Between the phases only what the forward leaves beyond the model is alive: the partitioned forward's
+        # and its schedule's (`MemoryProblem.with_schedule_excess`), not a peak inside either phase.
+        counted["boundary"] = job.partition_excess.get("boundary", 0) + carried
         return excess, carried, counted
 
     def scheduled_step_peak(self, kind: str, scheduled: ScheduledPeak) -> int:

@@ -308,7 +308,7 @@ class GraphJob:
         plan compiled to be read (`provisional`) is then not judged yet.
         """
         self.held_excess = dict(excess)
-        problem = self.problem.with_schedule_excess(excess["forward"], excess["backward"])
+        problem = self.problem.with_excess(excess)
         memory = plan_memory(self.in_step(problem, capped=False), self.plan.decisions)
         self.ctx.plan = dataclasses.replace(self.plan, predicted_peak_bytes=memory.peak_bytes)
         self.record.predicted_peak_bytes = memory.peak_bytes
@@ -352,7 +352,7 @@ class GraphJob:
     def peak_with(self, excess: dict[str, int]) -> int:
         """The plan's peak in its step with `excess` (bytes per phase beyond the plan model, as `hold_to_budget`
         takes it) held in its graphs, as `hold_to_budget` judges it. Nothing is changed."""
-        problem = self.problem.with_schedule_excess(excess["forward"], excess["backward"])
+        problem = self.problem.with_excess(excess)
         return plan_memory(self.in_step(problem, capped=True), self.plan.decisions).peak_bytes
 
     def fits_with(self, excess: dict[str, int], spare: int = 0) -> bool:
@@ -443,7 +443,7 @@ class GraphJob:
             torch_partition = view.torch_partition
         else:
             excess = (self.held_excess if held_excess else None) or self.schedule_excess
-            problem = problem.with_schedule_excess(max(0, excess["forward"]), max(0, excess["backward"]))
+            problem = problem.with_excess(excess, planning=True)
             # What Inductor's schedule holds below the FX model is not planned with (on GPT-2 a plan made with
             # it measured 2.1 MB over its prediction). `credit`: a compiled step offered torch's partitions
             # (`StepContext.torch_plan`) is predicted with it inside each phase, as each graph's compile judged

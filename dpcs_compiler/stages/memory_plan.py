@@ -160,7 +160,7 @@ def _torch_solution(
              else torch_plan_limit(budget, context.other_calls if context is not None else 0))
     # Its prediction is its partitioned graphs' own (the model of its decisions and what the graphs hold
     # beyond or below it); what Inductor's schedule holds besides is read when it is compiled.
-    own = problem.with_schedule_excess(excess["forward"], excess["backward"])
+    own = problem.with_schedule_excess(excess["forward"], excess["backward"])  # as `TorchLevels.of`
     solution = measured_solution(in_step(own, context, limit), decisions, limit, TORCH_SOLVER, 0.0)
     # Its prediction: its peak in its step (the cap is a bound, not bytes alive).
     uncapped = context if context is None else dataclasses.replace(context, boundary_cap=None)
@@ -377,7 +377,7 @@ def plan_memory_budget(
         job.measured_excess, job.carried_excess = {}, 0
         job.record.fusions_refused = 0
         # Under Inductor, after a re-plan: the bytes its schedule held beyond the model (zero at first).
-        problem = job.problem.with_schedule_excess(job.schedule_excess["forward"], job.schedule_excess["backward"])
+        problem = job.problem.with_excess(job.schedule_excess)
         budget = planning_budget(job, device, planning.resident_bytes, profile)
     # No cost at no pressure: torch's own partition, if it fits.
     context = options.step_context

@@ -12,7 +12,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from dpcs_compiler.cost.memory_model import OFFLOAD, RECOMPUTE, SAVE, MemoryProblem, plan_memory
-from dpcs_compiler.cost.step_model import TorchLevels
+from dpcs_compiler.cost.step_model import TorchLevels, boundary_level
 from dpcs_compiler.passes.analysis import (
     FORWARD,
     Schedule,
@@ -261,10 +261,12 @@ def torch_decisions(joint: fx.GraphModule, forward: fx.GraphModule, num_fwd_outp
 
 def partition_excess(problem: MemoryProblem, levels: PhaseLevels, decisions: Sequence[str]) -> dict[str, int]:
     """What partitioned graphs hold beyond the plan model of `decisions` in `problem`, per phase (a value re-made
-    once for several recomputations is counted once by the partition, per candidate by the model)."""
+    once for several recomputations is counted once by the partition, per candidate by the model), and between
+    the phases ("boundary": what their forward leaves for the backward beyond the model's boundary level)."""
     model = plan_memory(problem, decisions).bytes_during
     start = problem.backward_start
     return {
         "forward": levels.forward_peak + RUNTIME_ALLOWANCE_BYTES - int(model[:start].max(initial=0)),
         "backward": levels.backward_peak + RUNTIME_ALLOWANCE_BYTES - int(model[start:].max(initial=0)),
+        "boundary": levels.after_forward - boundary_level(problem, decisions),
     }

@@ -140,6 +140,26 @@ def test_a_schedule_credit_lowers_the_phases_not_what_is_held_between_them():
         p.with_schedule_credit(5, 0)
 
 
+def test_a_backward_excess_is_held_between_the_phases_only_where_the_forward_left_it():
+    """What the compiled graphs hold beyond the model inside the backward (a fused kernel's outputs) is a peak
+    there, not held at the boundary: only `boundary_bytes` (what the forward left beyond the model) is. Without
+    it, the backward's excess stands for it; `with_excess` reads the compile's dict, clamped for planning."""
+    from dpcs_compiler.cost.step_model import boundary_level
+
+    p = MemoryProblem(base_bytes=np.full(6, 100), step_seconds=np.ones(6), backward_start=3,
+                      candidates=(Candidate("a", 50, 0, 1, 4, 5, recompute_seconds=1.0),))
+    split = p.with_schedule_excess(10, 30, boundary_bytes=4)
+    np.testing.assert_array_equal(split.base_bytes, [110, 110, 110, 130, 130, 130])
+    np.testing.assert_array_equal(split.base_before_bytes, [110, 110, 110, 104, 130, 130])
+    assert boundary_level(split, ("save",)) == boundary_level(p, ("save",)) + 4
+    assert boundary_level(p.with_schedule_excess(10, 30), ("save",)) == boundary_level(p, ("save",)) + 30
+    assert plan_memory(split, ("save",)).peak_bytes == plan_memory(p, ("save",)).peak_bytes + 30
+    read = {"forward": -8, "backward": 30, "boundary": -2}
+    np.testing.assert_array_equal(p.with_excess(read).base_before_bytes, [92, 92, 92, 98, 130, 130])
+    np.testing.assert_array_equal(p.with_excess(read, planning=True).base_before_bytes, [100, 100, 100, 100, 130, 130])
+    assert p.with_excess({"forward": 0, "backward": 0}) is p
+
+
 def test_an_offload_costs_its_ops_host_time_in_full_beside_its_exposed_copies():
     """The copies hide behind compute where the schedule leaves room; the ops that issue them do not."""
     p = problem()
