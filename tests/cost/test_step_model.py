@@ -242,6 +242,28 @@ def test_plan_step_splits_the_budget_so_the_whole_step_fits():
     assert step_peak(shapes, graphs, plan.levels) == plan.peak
 
 
+def test_plan_step_lets_single_graphs_hold_more_where_one_shared_level_leaves_the_step_well_under_its_target():
+    """Three graphs, each with a small value (50 B, 1 s to recompute) and a big one (200 B, 1.5 s): at a target of
+    820 B one shared level recomputes the small one in every graph (750 B, 3 s). Keeping one graph's saved fits
+    (800 B, 2 s; saving everything peaks at 850 B): the plan takes it, and each graph's compile re-makes it."""
+    from dpcs_compiler.cost import step_search
+
+    p = MemoryProblem(base_bytes=np.full(10, 100), step_seconds=np.ones(10), backward_start=5, candidates=(
+        Candidate("small", 50, 0, 1, 8, 9, recompute_seconds=1.0), Candidate("big", 200, 1, 2, 6, 7, recompute_seconds=1.5)))
+    shapes = [StepShape(("A", "B", "C"), 0)]
+    graphs = {k: graph(k, p, target=820, shared=100) for k in "ABC"}
+    saved = {k: p.all_saved() for k in "ABC"}
+    plan = plan_step(shapes, graphs, saved, solver)
+    assert plan.feasible and plan.peak.bytes == 800
+    assert sum(plan_seconds(p, d) for d in plan.decisions.values()) == 2.0
+    assert sorted(plan.decisions.values()) == [(RECOMPUTE, SAVE), (RECOMPUTE, SAVE), (SAVE, SAVE)]
+    for k, g in graphs.items():
+        decisions, ok = solver(in_step(g.problem, plan.contexts[k], g.target), g.target)
+        assert ok and decisions == plan.decisions[k]
+    shared = step_search._LevelSearch(shapes, graphs, solver).at(820)  # the shared level alone
+    assert shared.peak.bytes == 750 and sum(plan_seconds(p, d) for d in shared.decisions.values()) == 3.0
+
+
 def test_plan_step_offers_torchs_partitions_where_plans_saving_everything_peak_within_its_limit():
     """No cost at no pressure: a step whose plans saving everything peak within `torch_limit` (under Inductor,
     a little over the budget: its schedule holds less than the FX order) is given their contexts, marked for
