@@ -96,34 +96,76 @@ def scheduled_peak(
     else:
         order = nodes
         memory.prepare_planning_info(order, scheduler.name_to_buf, scheduler.name_to_fused_node, graph_inputs, graph_outputs)
-    freeable = _input_buffers(order, graph_inputs, resident)
-    infos, step_of, _ = memory.compute_memory_timeline(order, freeable, graph_outputs)
-    first, last = kernel_groups(order)
-    removed = kernel_local_buffers(order, graph_outputs)
-    infos = [info for info in infos if info.buffer.get_name() not in removed]
-    delta = [0] * (len(order) + 1)
-    for info in infos:
-        delta[first[info.start_step]] += info.size_alloc
-        if info.end_step != -1:
-            delta[last[info.end_step] + 1] -= info.size_free
-    by_name = {info.buffer.get_name(): info for info in infos}
-    for output, taken in in_place_reuses(order, step_of, graph_inputs, graph_outputs).items():
-        if output in by_name and taken in by_name:
-            # The output is written over the dying input: nothing is allocated, the input's bytes live on.
-            out, old = by_name[output], by_name[taken]
-            delta[first[out.start_step]] -= out.size_alloc
-            delta[last[old.end_step] + 1] += old.size_free
-            if out.end_step != -1:
-                delta[last[out.end_step] + 1] += out.size_free - old.size_free
-    if workspace is not None:
-        for i, node in enumerate(order):
-            if node.is_extern() and (nbytes := workspace(extern_origins(node))):
-                delta[first[i]] += nbytes
-                delta[last[i] + 1] -= nbytes
-    levels = list(itertools.accumulate(delta))
-    at = max(range(len(order)), key=levels.__getitem__)
-    start = sum(buf.mpi_buffer.size_free for name, buf in freeable.items() if present is None or name in present)
-    return ScheduledPeak(len(order), start, levels[at], levels[-1], order[at].get_name())
+    # Inductor chose the order with the traced sizes; the bytes are those of the sizes the plan is for (a
+    # dynamic-shape graph's size bucket: on MiniGPT planned at 128 tokens, traced at 64, the schedule read at 64
+    # came out 9.4 MB under the model, and what it held beyond the model at 128 went uncounted).
+    with sizes_as_planned() as patched:
+        if patched:
+            memory.prepare_planning_info(order, scheduler.name_to_buf, scheduler.name_to_fused_node, graph_inputs,
+                                         graph_outputs)
+        freeable = _input_buffers(order, graph_inputs, resident)
+        infos, step_of, _ = memory.compute_memory_timeline(order, freeable, graph_outputs)
+        first, last = kernel_groups(order)
+        removed = kernel_local_buffers(order, graph_outputs)
+        infos = [info for info in infos if info.buffer.get_name() not in removed]
+        delta = [0] * (len(order) + 1)
+        for info in infos:
+            delta[first[info.start_step]] += info.size_alloc
+            if info.end_step != -1:
+                delta[last[info.end_step] + 1] -= info.size_free
+        by_name = {info.buffer.get_name(): info for info in infos}
+        for output, taken in in_place_reuses(order, step_of, graph_inputs, graph_outputs).items():
+            if output in by_name and taken in by_name:
+                # The output is written over the dying input: nothing is allocated, the input's bytes live on.
+                out, old = by_name[output], by_name[taken]
+                delta[first[out.start_step]] -= out.size_alloc
+                delta[last[old.end_step] + 1] += old.size_free
+                if out.end_step != -1:
+                    delta[last[out.end_step] + 1] += out.size_free - old.size_free
+        if workspace is not None:
+            for i, node in enumerate(order):
+                if node.is_extern() and (nbytes := workspace(extern_origins(node))):
+                    delta[first[i]] += nbytes
+                    delta[last[i] + 1] -= nbytes
+        levels = list(itertools.accumulate(delta))
+        at = max(range(len(order)), key=levels.__getitem__)
+        start = sum(buf.mpi_buffer.size_free for name, buf in freeable.items() if present is None or name in present)
+        peak = ScheduledPeak(len(order), start, levels[at], levels[-1], order[at].get_name())
+    if patched:  # Inductor's own planning info back at its sizes
+        memory.prepare_planning_info(order, scheduler.name_to_buf, scheduler.name_to_fused_node, graph_inputs,
+                                     graph_outputs)
+    return peak
+
+
+@contextlib.contextmanager
+def sizes_as_planned() -> Iterator[bool]:
+    """Inside Inductor's compile of a graph with dynamic shapes planned for other sizes than the traced ones
+    (`tensor_bytes.size_hints`): its shape environment's hints at those sizes, and its size-hint cache
+    emptied, for the block (restored after). Yields whether anything was changed."""
+    import sympy
+    from torch._inductor.virtualized import V
+
+    from dpcs_compiler.passes.analysis.tensor_bytes import planned_sizes_override
+
+    overrides = planned_sizes_override()
+    env = getattr(V.graph.sizevars, "shape_env", None) if overrides else None
+    # torch 2.13 names the hints backed_var_to_val (var_to_val warns); 2.11 has only var_to_val.
+    values = (env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val) if env is not None else {}
+    kept = {symbol: value for symbol, value in values.items() if getattr(symbol, "name", None) in overrides}
+    if not kept:
+        yield False
+        return
+    cache = getattr(V.graph, "dep_size_hint_cache", None)
+    try:
+        for symbol in kept:
+            values[symbol] = sympy.Integer(overrides[symbol.name])
+        if cache is not None:
+            V.graph.dep_size_hint_cache = {}
+        yield True
+    finally:
+        values.update(kept)
+        if cache is not None:
+            V.graph.dep_size_hint_cache = cache
 
 
 def extern_origins(node) -> list[torch.fx.Node]:

@@ -118,6 +118,11 @@ def size_hints(values: Iterable[tuple[str, int]]) -> Iterator[None]:
         _SIZE_HINTS.reset(token)
 
 
+def planned_sizes_override() -> dict[str, int]:
+    """The shape symbols `size_hints` sets now, by name (empty: the traced sizes)."""
+    return dict(_SIZE_HINTS.get())
+
+
 def hint_int(expr: sympy.Expr | int, shape_env: Any | None) -> int:
     expr = sympy.sympify(expr)
     if not expr.free_symbols:

@@ -135,3 +135,36 @@ def test_a_failed_reading_is_kept_not_raised(monkeypatch):
     with probe_scheduled_peak() as probe, torch._inductor.config.patch(force_disable_caches=True):
         torch.testing.assert_close(compiled(torch.ones(4)), torch.ones(4).sin() * 2)
     assert probe.peaks == [] and probe.errors == ["KeyError: 'an Inductor internal that moved'"]
+
+
+@pytest.mark.slow  # three Inductor compiles (12 s on 2 cores)
+@pytest.mark.inductor
+def test_a_dynamic_graph_planned_for_other_sizes_is_read_at_those_sizes():
+    """A graph traced at 64 rows and compiled for a size bucket of 256 (`tensor_bytes.size_hints`, as a
+    dynamic-shape variant is): its schedule's bytes are those of 256 rows, the peak measured there, not the
+    traced size's (the order is Inductor's, chosen with the traced sizes)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    from dpcs_compiler.passes.analysis.tensor_bytes import size_hints
+
+    w = torch.randn(N, N)
+
+    def at(rows: int | None, x: torch.Tensor):
+        def backend(gm, example_inputs):
+            # Dynamo passes the shape symbols as inputs of their own: the rows' is the one traced at 64.
+            names = [t.node.expr.name for t in example_inputs if isinstance(t, torch.SymInt) and t.node.hint == 64]
+            assert len(names) == (0 if rows is None else 1), names
+            with size_hints((name, rows) for name in names):
+                return compile_fx(gm, example_inputs)
+
+        torch._dynamo.reset()
+        compiled = torch.compile(kernel_group_then_matmul, backend=backend, dynamic=rows is not None)
+        with probe_scheduled_peak() as probe, torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True):
+            compiled(x, w)
+        (peak,) = probe.peaks
+        return peak
+
+    planned = at(4 * 64, torch.randn(64, N))  # traced at 64 rows, planned for 256
+    static = at(None, torch.randn(4 * 64, N))
+    assert planned.peak_bytes == static.peak_bytes and planned.end_bytes == static.end_bytes, (planned, static)
+    assert at(64, torch.randn(64, N)).peak_bytes < planned.peak_bytes  # the traced size's is smaller
