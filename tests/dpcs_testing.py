@@ -357,6 +357,22 @@ def run_rank_processes(commands: list[list[str]], envs: list[dict[str, str]]) ->
     assert not reports, "\n\n".join(reports)
 
 
+STEP_RANK_WORKER = Path(__file__).resolve().parent / "runtime" / "step_rank_worker.py"
+
+
+def run_step_ranks(tmp_path: Path, scenario: str, budget: int | str, world: int = 2) -> list:
+    """`world` ranks of a gloo job running `runtime/step_rank_worker.py`'s `scenario` under `budget` (its
+    argument as written), one thread each: what each rank saved."""
+    import os
+
+    store = tmp_path / "store"
+    results = [tmp_path / f"result{rank}.pt" for rank in range(world)]
+    commands = [[sys.executable, str(STEP_RANK_WORKER), str(rank), str(world), str(store), scenario, str(budget),
+                 str(results[rank])] for rank in range(world)]
+    run_rank_processes(commands, [os.environ | {"OMP_NUM_THREADS": "1"}] * world)
+    return [torch.load(r) for r in results]
+
+
 def load_benchmark(name: str):
     """The module of `benchmarks/<name>.py`, loaded as a script is (the folder is not a package)."""
     path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"

@@ -4,11 +4,19 @@ the step's peak without a budget, plus one below the lowest. Each measured step 
 the compile raises `BudgetInfeasibleError` naming the smallest peak; nothing in between.
 
 Shapes: one graph (MiniGPT), graph breaks (`BranchingNet`: three graphs a step), dynamic shapes (MiniGPT
-compiled with `dynamic=True`, trained at 64, 128 and 256 tokens; the budget is of the step at 256). DDP and
-FSDP2 steps are the rank tests' (`tests/runtime/test_step_ranks.py`). The default tier draws one budget for
-the first two shapes under the eager compiler; the slow tier one for the third, and four per shape under both
-compilers. DPCS_PROPERTY_SEED sets the seed (default 58).
-"""
+compiled with `dynamic=True`, trained at 64, 128 and 256 tokens; the budget is of the step at 256), and on two
+gloo ranks DDP with 2 MB buckets (`LayerNormStack`, `tests/runtime/step_rank_worker.py`: every budget must be
+kept or refused on both ranks alike). Where a budget is kept, the step's prediction is checked against its
+measurement too (not the dynamic step's, whose measurement is the largest of three lengths, each planned apart).
+
+FSDP2 per block is not drawn here yet (issue 58, items 3 and 6, open): the rank worker runs it (`property:fsdp:
+COMPILER`), but its step varies with the ranks' timing (one plan measured 26.3 to 32.6 MB at seed 58 under
+Inductor, its collectives in flight beside the running block), the model predicts 10-36% above or 5% below a
+given run, and a budget drawn 9% above its lowest reachable peak measured 3% over once in three runs.
+
+The default tier draws one budget for the first two shapes under the eager compiler; the slow tier one for the
+dynamic shape, and four per shape under both compilers (three for DDP). DPCS_PROPERTY_SEED sets the seed
+(default 58)."""
 
 from __future__ import annotations
 
@@ -25,7 +33,7 @@ from dpcs_compiler import clear_compile_records, compile_records
 from dpcs_compiler.measure import measure_peak_memory, measure_training_step, resident_bytes
 from dpcs_compiler.models import GPTConfig, MiniGPT, workload
 from dpcs_compiler.report import predicted_step_peak, step_records
-from dpcs_testing import allowing_best_plan, budget_refusal, dpcs_compile
+from dpcs_testing import allowing_best_plan, budget_refusal, dpcs_compile, run_step_ranks
 
 SEED = int(os.environ.get("DPCS_PROPERTY_SEED", "58"))
 PREDICTED = 0.02  # the prediction's largest error, of the measured step peak
@@ -78,6 +86,37 @@ SHAPES = {"one_graph": _workload_step("gpt", 4), "graph_breaks": _workload_step(
           "dynamic": _dynamic_step}
 
 
+def _check_ranks(tmp_path, shape: str, compiler: str, draws: int) -> None:
+    """As `_check`, for a step of two ranks: each rank job compiles the step afresh per budget, in turn."""
+    scenario = f"property:{shape}:{compiler}"
+    (tmp_path / "range").mkdir()
+    zero, one = run_step_ranks(tmp_path / "range", scenario, "0,1")  # no budget; the lowest (on_infeasible="best")
+    unplanned = max(rank[0]["measured_peak"] for rank in (zero, one))
+    lowest = zero[1]["planned"]
+    assert one[1]["planned"] == lowest, (zero[1], one[1])  # one plan on every rank
+    rng = random.Random(f"{SEED}:{shape}:{compiler}")
+    budgets = sorted({rng.randint(lowest, unplanned) for _ in range(draws)}) if lowest < unplanned else []
+    below = lowest - max(1, lowest // 50)
+    print(f"{shape}, {compiler}: seed {SEED}; lowest {lowest} B, without a budget {unplanned} B; budgets {budgets}")
+    (tmp_path / "budgets").mkdir()
+    zero, one = run_step_ranks(tmp_path / "budgets", scenario, ",".join(str(b) for b in [*budgets, below]))
+    for a, b in zip(zero, one):
+        budget = a["budget"]
+        assert (a["raised_at"] is None) == (b["raised_at"] is None), (a, b)  # every rank alike
+        if budget == below:
+            assert a["raised_at"] is not None, f"{shape}, {compiler}: a budget below the lowest peak was not refused: {a}"
+            assert re.search(r"the smallest step peak dpcs can reach is", a["message"]), a["message"]
+            assert a["message"].split("; of it")[0] == b["message"].split("; of it")[0]
+            print(f"  budget {below} B: refused ({a['message'][:160]}...)")
+            continue
+        assert a["raised_at"] is None, f"{shape}, {compiler}: a budget of {budget} B was refused: {a['message']}"
+        for rank in (a, b):
+            measured, predicted = rank["measured_peak"], rank["predicted"]
+            print(f"  budget {budget} B: measured {measured} B ({measured / budget:.3f}), predicted {predicted} B")
+            assert measured <= budget, f"{shape}, {compiler}: {measured} B measured for a budget of {budget} B"
+            assert abs(predicted - measured) <= PREDICTED * measured, (shape, compiler, predicted, measured)
+
+
 def _lowest(run, compiler: str) -> int:
     """The smallest step peak dpcs reaches (its verdict at a budget of 1 byte, asked for the best plan)."""
     with allowing_best_plan():
@@ -127,3 +166,10 @@ def test_a_random_budget_is_kept_or_refused(shape):
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_random_budgets_are_kept_or_refused_on_every_shape(shape, compiler):
     _check(shape, compiler, draws=4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compiler", ["eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+@pytest.mark.parametrize("shape", ["ddp"])
+def test_random_budgets_are_kept_or_refused_on_every_rank(shape, compiler, tmp_path):
+    _check_ranks(tmp_path, shape, compiler, draws=3)

@@ -11,10 +11,15 @@ ddp_unreachable:COMPILER: an MLP whose peak is parameters, gradients and 1 MB bu
 fsdp: the same stack with `fully_shard` on each block, then on the root (FSDP2; Dynamo compiles one graph per
     block, the first apart, the rest one graph called five times). The absolute peak counts this rank's
     parameter shards and the input; each block's gathered parameters are allocated inside the step.
+property:SHAPE:COMPILER (`tests/e2e/test_budget_property.py`): the ddp or fsdp step compiled afresh for each of
+    the comma-separated BUDGET values in turn (0: no budget; 1: the lowest step peak, asked for with
+    on_infeasible="best"), default options but the compiler: per budget, the step at which dpcs refused it and
+    what it said, or the measured peak and the step's prediction.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import warnings
 from pathlib import Path
@@ -26,35 +31,43 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rank_process import join, leave, report_crashes, see_dpcs_warnings  # noqa: E402
-from dpcs_testing import budget_refusal  # noqa: E402
+from dpcs_testing import allowing_best_plan, budget_refusal  # noqa: E402
 from step_scenarios import LayerNormStack, global_batch  # noqa: E402
 
-from dpcs_compiler import compile_records  # noqa: E402
+from dpcs_compiler import clear_compile_records, compile_records  # noqa: E402
 from dpcs_compiler.measure import measure_peak_memory, resident_bytes  # noqa: E402
-from dpcs_compiler.report import step_records  # noqa: E402
+from dpcs_compiler.report import predicted_step_peak, step_records  # noqa: E402
 
 WARMUP_STEPS = 4  # the first runs the graphs' own plans, the second plans the step; then steady
 
 
-def ddp(rank: int, world: int, budget: int) -> dict:
+def _ddp_step(rank: int, world: int, options: dict):
+    """LayerNormStack in DistributedDataParallel with 2 MB buckets, compiled through dpcs with `options`: (model,
+    one training step, the bytes alive before a step once DDP's buckets are made: parameters, input, buckets;
+    those buckets' bytes)."""
     torch.manual_seed(0)
     model = LayerNormStack()
     wrapped = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=2)
-    compiled = torch.compile(
-        wrapped, backend="dpcs", options={"compiler": "eager", "strict": True, "memory_budget": budget}
-    )
+    compiled = torch.compile(wrapped, backend="dpcs", options=options)
     x = global_batch().chunk(world)[rank].contiguous()
 
     def step():
         model.zero_grad(set_to_none=True)
         compiled(x).square().mean().backward()
 
+    def buckets() -> int:
+        return sum(b.buffer().untyped_storage().nbytes() for b in wrapped.reducer._get_zeros_like_grad_buckets())
+
+    return model, step, lambda: resident_bytes([*model.parameters(), *model.buffers(), x]) + buckets(), buckets
+
+
+def ddp(rank: int, world: int, budget: int) -> dict:
+    model, step, resident, buckets = _ddp_step(rank, world, {"compiler": "eager", "strict": True, "memory_budget": budget})
     for _ in range(WARMUP_STEPS):
         step()
-    buckets = sum(b.buffer().untyped_storage().nbytes() for b in wrapped.reducer._get_zeros_like_grad_buckets())
+    baseline, buckets = resident(), buckets()
     model.zero_grad(set_to_none=True)
     _, peak = measure_peak_memory(step)
-    baseline = resident_bytes([*model.parameters(), *model.buffers(), x]) + buckets
     return {
         "measured_peak": peak.absolute(baseline),
         "buckets": buckets,
@@ -139,6 +152,37 @@ def ddp_unreachable(rank: int, world: int, budget: int, compiler: str) -> dict:
     return {"raised_at": None, "measured_peak": peak.absolute(resident_bytes([*model.parameters(), x]) + buckets)}
 
 
+def budgets_in_turn(rank: int, world: int, shape: str, compiler: str, budgets: list[int]) -> list[dict]:
+    """The `shape` step ("ddp" or "fsdp") compiled afresh under each budget (0: none; 1: the lowest step peak,
+    on_infeasible="best"), default options but the compiler: per budget, where dpcs refused it and what it said,
+    or the measured peak, the step's prediction (as its variants compiled) and its last step record's."""
+    make = {"ddp": lambda r, w, o: _ddp_step(r, w, o)[:3], "fsdp": lambda r, w, o: _fsdp_resident(*_fsdp_step(r, w, o))}[shape]
+    out = []
+    for budget in budgets:
+        torch._dynamo.reset()
+        clear_compile_records()
+        options = {"compiler": compiler, **({"memory_budget": budget} if budget else {}),
+                   **({"on_infeasible": "best"} if budget == 1 else {})}
+        model, step, resident = make(rank, world, options)
+        with allowing_best_plan() if budget == 1 else contextlib.nullcontext():
+            raised = _refused_at(step)
+        if raised is not None:
+            out.append({"budget": budget, **raised})
+            continue
+        baseline = resident()
+        model.zero_grad(set_to_none=True)
+        _, peak = measure_peak_memory(step)
+        record = predicted_step_peak()
+        out.append({"budget": budget, "raised_at": None, "measured_peak": peak.absolute(baseline),
+                    "predicted": None if record is None else record.compiled_peak_bytes or record.predicted_peak_bytes,
+                    "planned": None if record is None else record.predicted_peak_bytes})
+    return out
+
+
+def _fsdp_resident(model, step, resident: int):
+    return model, step, lambda: resident
+
+
 def fsdp_unreachable(rank: int, world: int, budget: int) -> dict:
     """FSDP2 per block under `budget`, default options but the eager compiler: the step at which dpcs raised,
     and what it said (or the measured peak if it did not)."""
@@ -174,6 +218,9 @@ def main() -> None:
         see_dpcs_warnings()
         if scenario.startswith("ddp_unreachable:"):  # ddp_unreachable:COMPILER
             out = ddp_unreachable(rank, world, int(budget), scenario.partition(":")[2])
+        elif scenario.startswith("property:"):  # property:SHAPE:COMPILER
+            _, shape, compiler = scenario.split(":")
+            out = budgets_in_turn(rank, world, shape, compiler, [int(b) for b in budget.split(",")])
         else:
             out = {"ddp": ddp, "fsdp": fsdp, "fsdp_unreachable": fsdp_unreachable}[scenario](rank, world, int(budget))
     torch.save(out, result)

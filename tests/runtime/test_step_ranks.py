@@ -5,20 +5,17 @@ process's on the whole batch."""
 
 from __future__ import annotations
 
-import os
 import re
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from dpcs_testing import run_rank_processes
+from dpcs_testing import run_step_ranks
 from dpcs_compiler.debug.render import format_bytes
 from dpcs_compiler.cost.budget import CORRECTION_MIN_BYTES, CORRECTION_MIN_FRACTION
 from step_scenarios import LayerNormStack, global_batch
 
-WORKER = Path(__file__).resolve().parent / "step_rank_worker.py"
 # Between the lowest step peak dpcs reaches here (53.6 MB predicted) and the step's peak without a budget
 # (65.1 MB measured, DDP's buckets included): the step must be re-planned to fit.
 DDP_BUDGET = 60_000_000
@@ -28,14 +25,7 @@ FSDP_BUDGET = 42_000_000
 
 
 def run_ranks(tmp_path: Path, scenario: str, budget: int) -> list[dict]:
-    store = tmp_path / "store"
-    results = [tmp_path / f"result{rank}.pt" for rank in range(2)]
-    commands = [
-        [sys.executable, str(WORKER), str(rank), "2", str(store), scenario, str(budget), str(results[rank])]
-        for rank in range(2)
-    ]
-    run_rank_processes(commands, [os.environ | {"OMP_NUM_THREADS": "1"}] * 2)
-    return [torch.load(r) for r in results]
+    return run_step_ranks(tmp_path, scenario, budget)
 
 
 def test_ddp_buckets_share_one_step_budget_on_every_rank(tmp_path):
