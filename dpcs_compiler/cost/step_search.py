@@ -336,8 +336,8 @@ class _LevelSearch:
 
         if plan.level is None or plan.peak is None or plan.peak.bytes >= (1 - CLOSER) * target:
             return plan
-        best, best_seconds = plan, seconds(plan)
         added = {k: plan_seconds(g.problem, plan.decisions[k]) for k, g in self.graphs.items()}
+        best, best_seconds = plan, sum(added.values())
         for key in sorted((k for k in self.graphs if added[k] > 0), key=lambda k: -added[k])[:CLOSER_GRAPHS]:
             spare = target - best.peak.bytes
             if spare <= (CLOSER * target) // 2:  # within half of CLOSER: nothing more worth a solve of every graph
