@@ -14,6 +14,7 @@ import torch
 from dpcs_testing import run_step_ranks
 from dpcs_compiler.debug.render import format_bytes
 from dpcs_compiler.cost.budget import CORRECTION_MIN_BYTES, CORRECTION_MIN_FRACTION
+from dpcs_compiler.step.calls import FSDP_BLOCKS_IN_FLIGHT
 from step_scenarios import LayerNormStack, global_batch
 
 # Between the lowest step peak dpcs reaches here (53.6 MB predicted) and the step's peak without a budget
@@ -54,6 +55,9 @@ def test_ddp_buckets_share_one_step_budget_on_every_rank(tmp_path):
         torch.testing.assert_close(got_zero, expected, atol=1e-5, rtol=1e-4)
 
 
+BLOCK_BYTES = 4 * sum(p.numel() for p in LayerNormStack().blocks[0].parameters())  # one block gathered
+
+
 def test_fsdp2_blocks_count_their_gathered_parameters_and_hold_the_step_budget(tmp_path):
     zero, one = run_ranks(tmp_path, "fsdp", FSDP_BUDGET)
     for rank in (zero, one):
@@ -63,13 +67,16 @@ def test_fsdp2_blocks_count_their_gathered_parameters_and_hold_the_step_budget(t
         assert 1 <= len(rank["steps"]) <= 2
         record = rank["steps"][-1]
         assert record["feasible"] and rank["steps"][0]["replanned"] and len(record["calls"]) == 6
-        assert rank["measured_peak"] <= FSDP_BUDGET
-        # FSDP2's collectives in flight beside the running block depend on the ranks' timing: over 20 runs the
-        # same plan (34.7 MB predicted) measured 31.5 to 37.8 MB, in steps of one block's gather (2.1 MB).
-        # The prediction is not a bound here (README, limits); the budget held in every run. A step measured at
-        # the top of that range is counted and planned again (37.8 MB predicted), and the step measured after it
-        # can be at the bottom (31.5 MB: 1.2x; seen once in CI).
-        assert 0.85 * rank["measured_peak"] <= record["predicted_peak_bytes"] <= 1.25 * rank["measured_peak"]
+        assert all(peak <= FSDP_BUDGET for peak in rank["measured_peaks"])
+        # On gloo a collective's buffers are released by the rank's thread or, a few ms later, by gloo's worker
+        # thread (docs/memory_budget.md, limits): steps of one plan differ by whole blocks' gathers. The
+        # prediction counts FSDP_BLOCKS_IN_FLIGHT blocks lingering beside the running one: it bounds every
+        # measured step (within the correction tolerance), and it is above the lowest by no more than those
+        # blocks and 3%. (Measured: 35.7-41.0 MB against 41.0 MB predicted.)
+        lingering = FSDP_BLOCKS_IN_FLIGHT * BLOCK_BYTES
+        tolerance = max(CORRECTION_MIN_BYTES, CORRECTION_MIN_FRACTION * record["predicted_peak_bytes"])
+        assert rank["measured_peak"] - tolerance <= record["predicted_peak_bytes"]
+        assert record["predicted_peak_bytes"] <= 1.03 * (min(rank["measured_peaks"]) + lingering)
     assert zero["steps"] == one["steps"] and zero["plan_hashes"] == one["plan_hashes"]
     torch.manual_seed(0)
     model = LayerNormStack()
