@@ -21,6 +21,8 @@ from dpcs_compiler.passes.analysis.inductor_schedule import (
     ScheduledPeak,
     probe_available,
     probe_scheduled_peak,
+    recording_buffer_reuses,
+    with_reuses,
 )
 from dpcs_compiler.passes.analysis.tensor_bytes import size_hints
 from dpcs_compiler.passes.infra import Rewrite, copy_graph_module
@@ -222,6 +224,7 @@ class PartCompiler:
 
                     rules = stack.enter_context(scheduled_under_each_rule(probe, choose))
             stack.enter_context(without_unused_repro_copy())
+            reuses = stack.enter_context(recording_buffer_reuses())
             compiled = compile_fx_inner(gm, example_inputs, *args, **kwargs)
         if gate is not None:
             if probe is None or probe.checked is None:
@@ -246,8 +249,10 @@ class PartCompiler:
             self.job.hold_to_budget(dict(self.job.partition_excess), "its partitioned graphs")
         elif probe.peaks:
             graph = max(probe.peaks, key=lambda p: p.kernels)  # the graph itself, not a subgraph
-            if graph is not probe.checked:
-                self.check_schedule(kind, graph)
+            # Read again with the reuses its generated code made (decided after the reading that was checked).
+            read = with_reuses(graph, reuses)
+            if graph is not probe.checked or read.peak_bytes != graph.peak_bytes:
+                self.check_schedule(kind, read)
         else:  # Inductor scheduled nothing (no kernels): the partitioned graph is what runs
             self.job.hold_to_budget(dict(self.job.partition_excess), "its partitioned graphs")
         return compiled

@@ -274,9 +274,15 @@ def test_dynamic_sequence_lengths_hold_a_budget_under_inductor():
         unplanned, _, _ = _dynamic_peaks(compiler="inductor")
         budget = int(0.8 * unplanned[256])
         peaks, model, compiled = _dynamic_peaks(compiler="inductor", memory_budget=budget)
-    predicted = step_records()[-1].predicted_peak_bytes
-    print(f"without a budget {unplanned}; budget {budget} B: measured {peaks}, the step at 256 predicted {predicted} B")
+    training = [r for r in compile_records() if r.mode == "training"]
+    assert len(training) == 3  # one variant per size bucket, in the order the lengths ran
+    predicted = {n: r.predicted_peak_bytes for n, r in zip(DYNAMIC_LENGTHS, training)}
+    print(f"without a budget {unplanned}; budget {budget} B: measured {peaks}, predicted {predicted}")
     assert all(p <= budget for p in peaks.values()), peaks
+    # Issue 58, item 2: each length's prediction within 2% of its measured step (measured at 64 tokens 2.0%
+    # under before the wrapper's buffer reuses were counted: `inductor_schedule.with_reuses`).
+    for n in DYNAMIC_LENGTHS:
+        assert abs(predicted[n] - peaks[n]) <= 0.02 * peaks[n], (n, predicted[n], peaks[n])
     assert any(r.recomputed_values for r in compile_records() if r.mode == "training" and r.compiler == "inductor")
     _assert_gradients_equal_eager(model, compiled, *_dynamic_batch(256))
 

@@ -9,10 +9,13 @@ import torch
 
 from dpcs_compiler.measure import measure_peak_memory
 from dpcs_compiler.passes.analysis.inductor_schedule import (
+    ScheduledPeak,
     ScheduledPeakProbe,
     kernel_groups,
     probe_available,
     probe_scheduled_peak,
+    recording_buffer_reuses,
+    with_reuses,
 )
 
 N = 256  # one float32 [N, N] buffer: 256 KiB
@@ -22,12 +25,13 @@ def compiled_and_probed(fn, *inputs):
     """Compile `fn` with Inductor (no autograd), run it once; its probe result and its measured peak."""
     compiled = torch.compile(fn, backend="inductor", dynamic=False)
     # A cached graph skips the scheduler the probe hooks into: compile afresh.
-    with probe_scheduled_peak() as probe, torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True):
+    with probe_scheduled_peak() as probe, recording_buffer_reuses() as reuses, torch.no_grad(), \
+            torch._inductor.config.patch(force_disable_caches=True):
         compiled(*inputs)  # compiles here, inside the probe
     assert len(probe.peaks) == 1
     with torch.no_grad():
         _, measured = measure_peak_memory(compiled, *inputs)
-    return probe.peaks[0], measured.peak_increase_bytes
+    return with_reuses(probe.peaks[0], reuses), measured.peak_increase_bytes
 
 
 def kernel_group_then_matmul(x, w):
@@ -46,8 +50,17 @@ def reduction_then_independent_kernel(x, w):
     return t.sum(dim=1), x.cos()  # two C++ kernels of one group: cos's output exists while t does
 
 
+def freed_buffers_taken_by_later_matmuls(x, w):
+    # The wrapper gives b's output the freed buffer of a, and the last matmul's that of b.
+    a = torch.mm(x, w)
+    b = torch.mm(a, w)
+    c = torch.mm(x.sin(), w)
+    return torch.mm(b, c).sum(dim=0)
+
+
 @pytest.mark.inductor
-@pytest.mark.parametrize("fn", [kernel_group_then_matmul, sibling_outputs_and_reduction, reduction_then_independent_kernel])
+@pytest.mark.parametrize("fn", [kernel_group_then_matmul, sibling_outputs_and_reduction, reduction_then_independent_kernel,
+                                freed_buffers_taken_by_later_matmuls])
 def test_scheduled_peak_is_the_measured_peak(fn):
     assert probe_available()
     x, w = torch.randn(N, N), torch.randn(N, N)
@@ -96,6 +109,17 @@ def node(device: str | None, extern: bool = False):
         is_extern=lambda: extern,
         is_template=lambda: False,
     )
+
+
+def test_a_reused_buffer_lives_until_the_allocation_that_takes_it():
+    """Kernels k0-k3: A (100 B) made at k0, last read at k1; B (50 B) made at k2; C (100 B, an output) at k3.
+    The wrapper gives C the freed A: A is alive across k2, where B is made too, and C makes nothing."""
+    delta = (100, 0, -100 + 50, -50 + 100, 0)
+    buffers = {"A": (0, 2, 100), "B": (2, 3, 50), "C": (3, None, 100)}
+    levels = ScheduledPeak(4, 0, 100, 100, "k0", (delta, ["k0", "k1", "k2", "k3"], buffers, 7))
+    assert with_reuses(levels, {}) is levels and with_reuses(levels, {8: [("A", "C")]}) is levels  # another graph's
+    reused = with_reuses(levels, {7: [("A", "C")]})
+    assert (reused.peak_bytes, reused.peak_kernel, reused.end_bytes) == (150, "k2", 100)
 
 
 def test_kernel_groups_follow_the_cpp_backends_flushes():
