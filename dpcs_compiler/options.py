@@ -429,8 +429,9 @@ class DpcsOptions:
         for internal in ("step_context", "size_hints", "stands_in_for"):  # set by dpcs; left out unset, so older hashes stay
             if not relevant[internal]:
                 del relevant[internal]
-        if relevant.get("step_context") and not relevant["step_context"].get("first_step"):
-            relevant["step_context"] = {k: v for k, v in relevant["step_context"].items() if k != "first_step"}
+        if relevant.get("step_context"):  # unset fields added since, left out so older hashes stay
+            relevant["step_context"] = {k: v for k, v in relevant["step_context"].items()
+                                        if not (k in ("first_step", "known_excess") and not v)}
         if relevant["keep_torch_plan"]:  # the defaults, left out so older hashes stay
             del relevant["keep_torch_plan"]
         if not relevant["calibrate"]:

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch.fx as fx
 
+from dpcs_compiler.cost.step_model import decisions_code, merged_excess
 from dpcs_compiler.options import DpcsOptions
 from dpcs_compiler.passes.analysis.tensor_bytes import size_hints
 from dpcs_compiler.report import note_compile_raised
@@ -84,6 +85,6 @@ def _count_replan(job: GraphJob, over: ScheduleOverBudget) -> None:
     job.record.replans += 1
     if job.plan.torch_plan:  # torch's partition, tried, went over: dpcs plans from now on
         job.torch_plan_refused = True
-    for kind, excess in over.excess.items():
-        job.schedule_excess[kind] = max(job.schedule_excess.get(kind, 0), excess)
+    job.read_excess[decisions_code(job.plan.decisions)] = dict(over.excess)
+    job.schedule_excess = merged_excess(job.schedule_excess, over.excess)
     log.info("%s: re-planning, the compiled graphs hold more than planned: %s", job.record.graph, over.excess)

@@ -69,12 +69,20 @@ class StepContext:
     # The step planner then plans either way knowingly. (Not for the step's first graph, whose inputs are the
     # loop's: on a 24-layer GPT-2 its 48 such readers doubled its first solve, 0.7 s.)
     first_step: bool = False
+    # Plans of this graph whose compiled graphs were read and held more than the plan model counts (Inductor's
+    # fused kernels), by `decisions_code`, with those bytes per phase: a plan the solver finds that one of these
+    # puts over its target is solved again with them counted (`solve_knowing`), as its compile would plan again
+    # once it read them (`pipeline._count_replan`), not compiled to be refused. (The graph-break net at 0.7x its
+    # peak: the step gave its middle graph a plan whose backward Inductor scheduled 1.5 MiB over the model; its
+    # compile planned again, counting those 1.5 MiB for every plan, and the step measured 11% under its budget.)
+    known_excess: tuple[tuple[str, tuple[tuple[str, int], ...]], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.keep_saved, (str, bytes)) or not all(isinstance(n, str) for n in self.keep_saved):
             raise ValueError(f"StepContext.keep_saved={self.keep_saved!r} is not valid; valid choices: candidate "
                              "names, as a sequence of str")
         object.__setattr__(self, "keep_saved", tuple(self.keep_saved))
+        object.__setattr__(self, "known_excess", _known_excess(self.known_excess))
         for name in ("forward_bytes", "backward_bytes", "backward_freed", "other_calls"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -107,8 +115,70 @@ class StepContext:
         raise ValueError(
             f"dpcs option 'step_context'={value!r} is not valid; valid choices: None, or a dict with keys "
             "'forward_bytes', 'backward_bytes', 'boundary_cap', 'target', 'hold_least', 'backward_freed', "
-            "'keep_saved', 'torch_plan', 'other_calls', 'first_step' (set by dpcs's step planner)"
+            "'keep_saved', 'torch_plan', 'other_calls', 'first_step', 'known_excess' (set by dpcs's step planner)"
         )
+
+
+def _known_excess(value: object) -> tuple[tuple[str, tuple[tuple[str, int], ...]], ...]:
+    """`StepContext.known_excess` as tuples (its JSON form has lists), checked."""
+    try:
+        known = tuple((code, tuple((phase, nbytes) for phase, nbytes in excess)) for code, excess in value)
+    except (TypeError, ValueError):
+        known = None
+    if known is None or not all(
+            isinstance(code, str) and set(code) <= set(DECISION_CODES.values())
+            and all(phase in EXCESS_PHASES and isinstance(n, int) and not isinstance(n, bool) for phase, n in excess)
+            for code, excess in known):
+        raise ValueError(f"StepContext.known_excess={value!r} is not valid; valid choices: pairs of a decisions code "
+                         f"(one of {sorted(DECISION_CODES.values())} per candidate) and ((phase, bytes), ...) with "
+                         f"phases of {EXCESS_PHASES}")
+    return known
+
+
+# `decisions_code`: one letter per candidate's decision.
+DECISION_CODES = {SAVE: "s", RECOMPUTE: "r", OFFLOAD: "o"}
+EXCESS_PHASES = ("forward", "backward", "boundary")  # as the compile reads it (`MemoryProblem.with_excess`)
+
+
+def decisions_code(decisions: Sequence[str]) -> str:
+    """A plan's decisions as a short string, one letter per candidate (`DECISION_CODES`)."""
+    return "".join(DECISION_CODES[d] for d in decisions)
+
+
+def merged_excess(planned: Mapping[str, int], *read: Mapping[str, int]) -> dict[str, int]:
+    """`planned` (bytes per phase counted beyond the model) with what compiled graphs were `read` holding counted
+    too: per phase the most of them, a phase not counted yet standing at 0 (as a re-plan counts them: never less
+    than read before, `pipeline._count_replan`)."""
+    out = dict(planned)
+    for excess in read:
+        for phase, nbytes in excess.items():
+            out[phase] = max(out.get(phase, 0), nbytes)
+    return out
+
+
+def solve_knowing(
+    known: Mapping[str, Mapping[str, int]],
+    planned: Mapping[str, int],
+    solve: Callable[[Mapping[str, int]], tuple[Sequence[str], bool]],
+    over: Callable[[Sequence[str], Mapping[str, int]], bool],
+) -> tuple[Mapping[str, int], bool]:
+    """Plan as a compile does when some plans were compiled and read before: `solve(excess)` plans with `excess`
+    (bytes per phase beyond the model) counted and gives (decisions, feasible); where its plan is one of `known`
+    (by `decisions_code`: what its compiled graphs held beyond the model) and `over(decisions, that excess)`,
+    it is planned again with that excess counted too (`merged_excess`), as its compile would after reading it.
+    Returns the excess the last plan was made with and whether that plan stands (False: known over, with every
+    known excess counted). `solve`'s last call is the plan."""
+    planned = dict(planned)
+    for _ in range(len(known) + 1):  # each round counts one more known excess: then none is new
+        decisions, feasible = solve(planned)
+        held = known.get(decisions_code(decisions))
+        if not feasible or held is None or not over(decisions, held):
+            return planned, True
+        more = merged_excess(planned, held)
+        if more == planned:
+            break
+        planned = more
+    return planned, False
 
 
 def in_step(problem: MemoryProblem, context: StepContext | None, target: int) -> MemoryProblem:
@@ -275,6 +345,43 @@ class GraphStep:
     # sees whether the step frees it; a step that does not free it is planned again, a recomputation reading
     # it being free there (`plan_step`).
     observing: bool = False
+    # `problem` is `unplanned` with `planned_excess` counted (what its compiled graphs held beyond the model;
+    # None: nothing counted); `known_excess`: its other plans compiled and read before (`StepContext.known_excess`).
+    unplanned: MemoryProblem | None = None
+    planned_excess: tuple[tuple[str, int], ...] = ()
+    known_excess: tuple[tuple[str, tuple[tuple[str, int], ...]], ...] = ()
+
+    def planned_with(self, excess: Mapping[str, int]) -> MemoryProblem:
+        """Its problem with `excess` counted beyond the model instead of `planned_excess`."""
+        return (self.problem if self.unplanned is None else self.unplanned).with_excess(excess, planning=True)
+
+    def problem_for(self, decisions: Sequence[str]) -> MemoryProblem:
+        """The problem that predicts the plan of `decisions`: with what its compiled graphs held, where known."""
+        held = dict(self.known_excess).get(decisions_code(decisions))
+        return self.problem if held is None else self.planned_with(dict(held))
+
+    def levels(self, decisions: Sequence[str]) -> GraphLevels:
+        """`GraphLevels` of the plan of `decisions` (`problem_for`)."""
+        return GraphLevels.of(self.problem_for(decisions), decisions)
+
+    def solve(self, context: StepContext | None, target: int, solver: Solver) -> tuple[tuple[str, ...], bool]:
+        """Its plan within `target` in `context`, as its compile in that context makes it (`solve_knowing`)."""
+        if not self.known_excess:
+            return solver(in_step(self.problem, context, target), target)
+        first = dict(self.planned_excess)
+        found: list[tuple[tuple[str, ...], bool]] = []
+
+        def solve(excess: Mapping[str, int]) -> tuple[tuple[str, ...], bool]:
+            problem = self.problem if excess == first else self.planned_with(excess)
+            found.append(solver(in_step(problem, context, target), target))
+            return found[-1]
+
+        def over(decisions: Sequence[str], held: Mapping[str, int]) -> bool:
+            return plan_memory(in_step(self.planned_with(held), context, target), decisions).peak_bytes > target
+
+        _, stands = solve_knowing({code: dict(e) for code, e in self.known_excess}, first, solve, over)
+        decisions, feasible = found[-1]
+        return decisions, feasible and stands
 
     def gradients_at(self, step: int) -> int:
         """Bytes of its parameter gradients made by `step` of its problem (they stay to the step's end)."""

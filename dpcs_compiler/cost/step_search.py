@@ -25,7 +25,6 @@ from dpcs_compiler.cost.step_model import (
     TorchLevels,
     boundary_level,
     contexts_for,
-    in_step,
     kept_saved,
     lowest_boundary_decisions,
     step_peak,
@@ -110,7 +109,7 @@ def plan_step(
     if missing or not shapes:
         raise ValueError(f"step graphs without a plan: {sorted(missing)}" if missing else "no step shape to plan")
     target = min(g.target for g in graphs.values())
-    levels = {k: GraphLevels.of(graphs[k].problem, current[k]) for k in graphs}
+    levels = {k: graphs[k].levels(current[k]) for k in graphs}
     peak = step_peak(shapes, graphs, levels)
     alone = all(len(s.instances) == 1 and s.outside_bytes == 0 and s.turn_bytes == 0 and not s.optimizer_bytes
                 for s in shapes) and len(graphs) == 1
@@ -256,9 +255,9 @@ def _as_compiled(plan: StepPlan, shapes: Sequence[StepShape], graphs: Mapping[st
         return plan
     decisions, feasible = {}, True
     for k, g in graphs.items():
-        decisions[k], ok = final(in_step(g.problem, plan.contexts[k], target), target)
+        decisions[k], ok = g.solve(plan.contexts[k], target, final)
         feasible = feasible and ok
-    levels = {k: GraphLevels.of(graphs[k].problem, decisions[k]) for k in graphs}
+    levels = {k: graphs[k].levels(decisions[k]) for k in graphs}
     peak = step_peak(shapes, graphs, levels)
     return dataclasses.replace(plan, decisions=decisions, levels=levels, peak=peak,
                                feasible=feasible and peak.bytes <= target)
@@ -281,9 +280,9 @@ class _LevelSearch:
         self.memo: dict[tuple, tuple[tuple[str, ...], bool]] = {}  # graphs repeated in a step: equal problems
 
     def solved(self, g: GraphStep, context: StepContext, target: int) -> tuple[tuple[str, ...], bool]:
-        key = (_problem_key(g.problem), context, target)
+        key = (_problem_key(g.problem), g.known_excess, context, target)
         if key not in self.memo:
-            self.memo[key] = self.solver(in_step(g.problem, context, target), target)
+            self.memo[key] = g.solve(context, target, self.solver)
             self.solves += 1
         return self.memo[key]
 
@@ -301,7 +300,7 @@ class _LevelSearch:
             decisions[k], ok = self.solved(g, contexts[k], target)
             if not ok:  # a graph that fits no plan at this level: the level is out, the others need no solve
                 return StepPlan(dict(contexts), {}, {}, None, False, level, self.solves)
-        lv = {k: GraphLevels.of(graphs[k].problem, decisions[k]) for k in graphs}
+        lv = {k: graphs[k].levels(decisions[k]) for k in graphs}
         peak = step_peak(self.shapes, graphs, lv)
         return StepPlan(dict(contexts), decisions, lv, peak, feasible and peak.bytes <= target, level, self.solves)
 

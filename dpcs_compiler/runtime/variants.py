@@ -37,7 +37,7 @@ import torch
 import torch.fx as fx
 
 from dpcs_compiler.cost.op_time import Calibration
-from dpcs_compiler.cost.step_model import StepContext
+from dpcs_compiler.cost.step_model import StepContext, decisions_code
 from dpcs_compiler.diagnostics import DpcsWarning
 from dpcs_compiler.options import DpcsOptions, Fp8Options
 from dpcs_compiler.passes.analysis.op_sites import module_stack
@@ -406,7 +406,26 @@ class GraphDispatcher:
         """(GraphStep, decisions) of the current variant, for the step planner; None without a memory plan.
         `credit`: as its compile judged it, inside a step offered torch's partitions (`GraphJob.step_graph`)."""
         job = self.current_job()
-        return job.step_graph(held_excess=self.bucket not in self.provisional, credit=credit) if job is not None else None
+        if job is None:
+            return None
+        return job.step_graph(held_excess=self.bucket not in self.provisional, credit=credit, known=self.known_excess(job))
+
+    def known_excess(self, job: Any) -> dict[str, dict[str, int]]:
+        """What the compiled graphs of this graph's plans held beyond the plan model, by `decisions_code`, as its
+        compiles read them (each variant's plan, and those it planned again from, `GraphJob.read_excess`): those
+        for the sizes and candidates of `job`, the latest reading of a plan standing."""
+        names = tuple(c.name for c in job.problem.candidates)
+        known: dict[str, dict[str, int]] = {}
+        for jobs in self.jobs.values():
+            for j in jobs:
+                if (j is None or j.problem is None or j.options.stands_in_for is not None
+                        or j.options.size_hints != job.options.size_hints
+                        or tuple(c.name for c in j.problem.candidates) != names):
+                    continue
+                known.update(j.read_excess)
+                if j.held_excess is not None:
+                    known[decisions_code(j.plan.decisions)] = dict(j.held_excess)
+        return known
 
     @property
     def reference(self) -> int | None:

@@ -10,7 +10,7 @@ import json
 import logging
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -24,7 +24,7 @@ from dpcs_compiler.cost.memory_model import SAVE, MemoryProblem, plan_memory
 from dpcs_compiler.cost.profiles import resolve_profile
 from dpcs_compiler.diagnostics import DpcsWarning
 from dpcs_compiler.ops import offload_ops  # noqa: F401  (times its ops in a CUDA profile measured here)
-from dpcs_compiler.cost.step_model import GraphStep, TorchLevels, in_step, recomputed_names
+from dpcs_compiler.cost.step_model import GraphStep, TorchLevels, decisions_code, in_step, recomputed_names
 from dpcs_compiler.debug.render import format_bytes
 from dpcs_compiler.options import DpcsOptions
 from dpcs_compiler.passes.analysis import FORWARD, Schedule
@@ -165,6 +165,9 @@ class GraphJob:
     sharing: Any | None = None  # `passes.analysis.planning.StepSharing`: what the step's other graphs see
     schedule_node_names: tuple[str, ...] = ()  # the planning schedule's nodes (a problem step's name)
     held_excess: dict[str, int] | None = None  # the excess the plan was last held to the budget with
+    # Plans compiled, read over their budget and planned again (by `decisions_code`): what their compiled graphs
+    # held beyond the model (`_count_replan`); the step planner knows them (`StepContext.known_excess`).
+    read_excess: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     sizes: dict[str, int] = dataclasses.field(default_factory=dict)  # dynamic shapes: what the plan is for (`planned_sizes`)
     # Kernels' own workspace under a budget, by the compiler measured for (`with_workspace`): the job's, and a
     # stand-in's step view's.
@@ -343,7 +346,7 @@ class GraphJob:
                 f"for a peak of {format_bytes(memory.peak_bytes)} ({memory.peak_bytes} B) after {self.record.replans} "
                 "re-plans" + ("" if self.replanning else " (compiled lazily, at the first backward: no re-plan possible)")
             )
-        if self.defers_infeasible(memory.peak_bytes, message):
+        if self.defers_infeasible(memory.peak_bytes, message) or self.step_judges(message):
             return
         if self.options.on_infeasible == "error":
             raise BudgetInfeasibleError(f"{message}; raise the budget, or pass on_infeasible='best' to compile it")
@@ -428,21 +431,28 @@ class GraphJob:
         """The node names of the schedule whose steps the step planner's problem counts (`step_view`)."""
         return self.step_view.node_names if self.step_view is not None else self.schedule_node_names
 
-    def step_graph(self, *, held_excess: bool = True, credit: bool = False) -> tuple[GraphStep, tuple[str, ...]] | None:
+    def step_graph(self, *, held_excess: bool = True, credit: bool = False,
+                   known: Mapping[str, Mapping[str, int]] | None = None) -> tuple[GraphStep, tuple[str, ...]] | None:
         """This training graph as the step planner sees it, with its plan's decisions; None without a plan.
         `held_excess`: with what its compiled graphs held beyond the model (False: what the planner assumed
         before compiling; what a plan unlike the next one held, such as a first plan that held least, would
-        mislead the step planner)."""
+        mislead the step planner). `known`: what other plans of this graph, compiled and read, held beyond the
+        model (`read_excess` of its variants' compiles; `GraphStep.known_excess`), this plan's own left out."""
         if self.problem is None or self.sharing is None or self.budget_bytes is None or self.record.mode != "training":
             return None
         problem, sharing, decisions = self.problem, self.sharing, self.plan.decisions
         torch_partition = (lambda levels=self.torch_levels: levels) if self.torch_levels is not None else None
+        unplanned, planned, known_excess = None, (), ()
         if self.step_view is not None:  # a stand-in: what its compiled graphs hold is not what will run
             view = self.step_view
             problem, sharing, decisions = view.problem, view.sharing, view.decisions(problem, decisions)
             torch_partition = view.torch_partition
         else:
             excess = (self.held_excess if held_excess else None) or self.schedule_excess
+            unplanned, planned = problem, tuple(sorted(excess.items()))
+            own = decisions_code(decisions)
+            known_excess = tuple(sorted((code, tuple(sorted(e.items()))) for code, e in (known or {}).items()
+                                        if code != own and any(v > 0 for v in e.values())))
             problem = problem.with_excess(excess, planning=True)
             # What Inductor's schedule holds below the FX model is not planned with (on GPT-2 a plan made with
             # it measured 2.1 MB over its prediction). `credit`: a compiled step offered torch's partitions
@@ -463,6 +473,9 @@ class GraphJob:
             freeable=tuple((f.nbytes, f.readers) for f in sharing.freeable if f.readers),
             torch_kept=self.record.solver == TORCH_SOLVER,
             observing=self.observing,
+            unplanned=unplanned,
+            planned_excess=planned,
+            known_excess=known_excess,
         )
         return graph, decisions
 
@@ -481,6 +494,21 @@ class GraphJob:
             return False
         self.record.infeasible_deferred = message
         log.info("%s: %s; left to the step, which may drop %d B of its outputs", self.record.graph, message, droppable)
+        return True
+
+    def step_judges(self, message: str) -> bool:
+        """Whether the verdict on a plan over its context's target is the step's: a variant compiled for a step
+        plan that fits the budget (its context has no target of its own) whose compiled graphs hold more than
+        the model counted, so that its re-plans, each counting that excess for every plan, found none within its
+        context. The step predicts its compiled variants before it is measured and plans again if they are over
+        the budget, then measures it (`step/recorder.py::_predict_as_compiled`): that verdict is the one given.
+        (The graph-break net under Inductor at 0.68x its peak: the last graph's variant was said over its
+        context, by the cap on what it holds between its phases, and the step measured 0.92 of its budget.)"""
+        context = self.options.step_context
+        if (context is None or context.target is not None or context.hold_least or context.first_step
+                or self.record.mode != "training"):
+            return False
+        log.info("%s: %s; left to the step, which predicts and measures its compiled variants", self.record.graph, message)
         return True
 
     @property

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,7 +28,7 @@ from dpcs_compiler.cost.hardware import HardwareProfile
 from dpcs_compiler.cost.memory_model import OFFLOAD, RECOMPUTE, SAVE, MemoryProblem, plan_memory
 from dpcs_compiler.cost.calibration import recompute_terms
 from dpcs_compiler.cost.op_time import combine_seconds, offload_ops_seconds, roofline_terms, transfer_seconds
-from dpcs_compiler.cost.step_model import StepContext, TorchLevels, in_step, least_held_cap
+from dpcs_compiler.cost.step_model import StepContext, TorchLevels, in_step, least_held_cap, solve_knowing
 from dpcs_compiler.debug.render import format_bytes
 from dpcs_compiler.diagnostics import DpcsWarning
 from dpcs_compiler.passes.analysis import op_cost
@@ -290,6 +290,32 @@ class _PlanningView:
         return cls(schedule, planning, problem, terms)
 
 
+def _solve_knowing(job: GraphJob, problem: MemoryProblem, context: StepContext | None,
+                   target: int) -> tuple[StepContext | None, Solution, MemoryProblem]:
+    """`_solve_in_step`, where the step planner passed what plans of this graph compiled before held beyond the
+    plan model (`StepContext.known_excess`): a plan one of those puts over `target` is planned again with it
+    counted (`solve_knowing`), as reading its compiled graphs would make this compile do (`hold_to_budget`),
+    and as the step planner planned it (`GraphStep.solve`). Returns the context and plan, and the problem
+    planned with (`job.schedule_excess` counts what was added)."""
+    known = {code: dict(excess) for code, excess in context.known_excess} if context is not None else {}
+    if not known:
+        return (*_solve_in_step(problem, context, target, job.sharing), problem)
+    first = dict(job.schedule_excess)
+    found: list[tuple[StepContext | None, Solution, MemoryProblem]] = []
+
+    def solve(excess: Mapping[str, int]) -> tuple[tuple[str, ...], bool]:
+        planned = problem if excess == first else job.problem.with_excess(excess)
+        found.append((*_solve_in_step(planned, context, target, job.sharing), planned))
+        return found[-1][1].decisions, found[-1][1].feasible
+
+    def over(decisions: Sequence[str], held: Mapping[str, int]) -> bool:
+        held_problem = job.problem.with_excess(held, planning=True)
+        return plan_memory(in_step(held_problem, found[-1][0], target), decisions).peak_bytes > target
+
+    job.schedule_excess, _ = solve_knowing(known, first, solve, over)
+    return found[-1]
+
+
 def _solve_in_step(problem: MemoryProblem, context: StepContext | None, target: int,
                    sharing: Any) -> tuple[StepContext | None, Solution]:
     """The plan within `target` in `context`, and the context it was solved in. In the step's first run
@@ -400,7 +426,7 @@ def plan_memory_budget(
         if kept is not None:
             solution = kept
         else:
-            context, solution = _solve_in_step(problem, context, target, job.sharing)
+            context, solution, problem = _solve_knowing(job, problem, context, target)
             # The prediction: this graph's peak in its step (the cap is a bound, not bytes alive).
             solution = dataclasses.replace(
                 solution, peak_bytes=plan_memory(job.in_step(problem, capped=False, decisions=solution.decisions),

@@ -175,7 +175,9 @@ class Measuring:
             return
         if not new:
             self.quiet += 1
-            if self.quiet >= STABLE_STEPS:
+            # Not while a plan made is still to be checked (`_predict_as_compiled`, then measured): a step planned
+            # again because its compiled variants went over, or well under, its budget was never checked.
+            if self.quiet >= STABLE_STEPS and self.verify_in is None and not self.to_plan:
                 log.info("dpcs: step order stable; step watching stops")
                 self.disarm()
             return

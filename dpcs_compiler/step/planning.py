@@ -89,7 +89,9 @@ class _AsPlanned:
     shapes: list[StepShape]
     dispatchers: dict[str, weakref.ref[Participant]]
     budget: int | None
-    after_mismatch: bool = False  # planned again because compiled variants went over: not again for this
+    # Planned again because compiled variants went over, or well under, the budget: how many times in a row
+    # (`recorder._predict_as_compiled`: over, once; under, at most CLOSER_ROUNDS).
+    after_mismatch: int = 0
     record: StepRecord | None = None  # the step plan's record (None: one graph's own plan)
     dumped: list[Dumped] = dataclasses.field(default_factory=list)  # its lines in STEPS_FILEs
 
@@ -299,7 +301,7 @@ class Planning:
         self.to_plan = False
         self.torch_planned = False
         self.as_planned = None
-        after_mismatch, self.replan_as_compiled = self.replan_as_compiled, False
+        after_mismatch, self.replan_as_compiled = self.replan_as_compiled, 0
         candidates: list[tuple[tuple, StepShape, list[Participant]]] = []
         for key, (shape, refs) in list(self.shapes.items()):
             alive = [r() for r in refs]
@@ -469,7 +471,9 @@ class Planning:
             gradient_bytes=peak.gradient_bytes,
             gathered_bytes=peak.gathered_bytes,
             shapes=len(shapes),
-            contexts={k: (c.to_json() if c else None) for k, c in plan.contexts.items()},
+            # Each compile told what its graph's plans compiled before held beyond the model (it plans as the step did).
+            contexts={k: (dataclasses.replace(c, known_excess=graphs[k].known_excess).to_json() if c else None)
+                      for k, c in plan.contexts.items()},
             parameter_bytes=max(s.parameter_bytes for s in shapes),
             bucket_bytes=max(s.bucket_bytes for s in shapes),
             optimizer_state=state,

@@ -25,6 +25,7 @@ from dpcs_compiler.cost.step_model import (
 from dpcs_compiler.measure import BEFORE_PROFILING
 from dpcs_compiler.report import _ON_CLEAR
 from dpcs_compiler.cost.budget import measurement_tolerance, torch_plan_limit
+from dpcs_compiler.cost.step_search import CLOSER
 from dpcs_compiler.model_states.param_offload import INSTANCES as OFFLOADS
 from dpcs_compiler.model_states.param_offload import ParameterOffload
 from dpcs_compiler.step.calls import (
@@ -60,6 +61,9 @@ from dpcs_compiler.step.planning import Planning, _AsPlanned
 from dpcs_compiler.step.records import _dump_step_record, warn_verdicts_never_given
 
 log = logging.getLogger("dpcs.step")
+# Rounds of planning a step again, knowing more, where its compiled variants predict it well under its budget
+# after a compile read its plan over (`_predict_as_compiled`): each knows the plans read over in the rounds before.
+CLOSER_ROUNDS = 2
 
 
 class StepRecorder(Measuring, Planning):
@@ -92,7 +96,7 @@ class StepRecorder(Measuring, Planning):
         self.predicted_peak = 0
         self.predicted_state_bytes = 0  # the optimizers' state that prediction counts
         self.as_planned: _AsPlanned | None = None  # what the prediction was made from (`_predict_as_compiled`)
-        self.replan_as_compiled = False  # the plan under way follows compiled variants over their budget
+        self.replan_as_compiled = 0  # the plan under way follows compiled variants off their budget (`_AsPlanned`)
         # No cost at no pressure (`plan_step`'s `torch_limit`): whether the plan measured next keeps torch's own
         # partitions, and whether a step that kept them was measured over its prediction (not offered again).
         self.torch_planned = False
@@ -342,15 +346,20 @@ class StepRecorder(Measuring, Planning):
         log.info("dpcs: the compiled variants predict %s B (outside the turn, at it, at the end), the plan %s B",
                  compiled, self.predicted)
         fitted = planned.budget is not None and (self.predicted_peak <= planned.budget or self.torch_planned)
-        self.predicted, self.predicted_peak = compiled, peak
+        planned_peak, self.predicted, self.predicted_peak = self.predicted_peak, compiled, peak
         over = fitted and peak > limit and not planned.after_mismatch
+        # Or well under its budget, where a compile read its plan over and planned again for less (counting what
+        # that plan held for every plan): the step is planned again knowing it (`GraphStep.known_excess`).
+        under = (fitted and planned.after_mismatch < CLOSER_ROUNDS and not self.torch_planned
+                 and peak < (1 - CLOSER) * planned.budget and peak < planned_peak
+                 and any(g.known_excess for g in graphs.values()))
         if self._ranks_agree():  # planning takes collectives: every rank decides alike
-            over = any(rank_agreement.every_rank(over))
-        if over:
-            log.info("dpcs: the compiled variants predict %d B, over the budget of %d B; planned again",
-                     peak, limit)
+            over, under = (any(flags) for flags in zip(*rank_agreement.every_rank((over, under))))
+        if over or under:
+            log.info("dpcs: the compiled variants predict %d B, %s the budget of %d B; planned again",
+                     peak, "over" if over else "well under", limit)
             self.torch_refused = self.torch_refused or self.torch_planned
-            self.to_plan = self.replan_as_compiled = True
+            self.to_plan, self.replan_as_compiled = True, planned.after_mismatch + 1
             self.quiet = 0  # not stable: the plan is due
             return False
         return True

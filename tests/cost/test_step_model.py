@@ -22,10 +22,13 @@ from dpcs_compiler.cost.step_model import (
     TorchLevels,
     boundary_level,
     contexts_for,
+    decisions_code,
     end_bytes,
     in_step,
     kept_saved,
     lowest_boundary_decisions,
+    merged_excess,
+    solve_knowing,
     step_peak,
 )
 from dpcs_compiler.cost.step_search import TARGET_PROBES, plan_step
@@ -396,6 +399,54 @@ def test_plan_step_rejects_a_call_of_a_graph_it_has_no_plan_for():
         plan_step([StepShape(("A", "X"), 0)], {"A": graph("A", problem(), target=1)}, {"A": (SAVE, SAVE)}, solver)
 
 
+def test_solve_knowing_plans_again_with_what_a_known_plan_held_until_the_plan_is_not_known_over():
+    # Plans by the excess counted: none -> "ss"; 100 B backward -> "rs"; more -> "rr". "ss" held 100 B, "rs" 300 B.
+    plans = {0: ("save", "save"), 100: ("recompute", "save"), 300: ("recompute", "recompute")}
+    known = {"ss": {"backward": 100, "boundary": -5}, "rs": {"backward": 300}}
+    made = []
+
+    def solve(excess):
+        made.append(dict(excess))
+        return plans[excess.get("backward", 0)], True
+
+    planned, stands = solve_knowing(known, {"forward": 0, "backward": 0}, solve, lambda d, held: held["backward"] > 50)
+    assert stands and planned == {"forward": 0, "backward": 300, "boundary": 0}
+    assert made == [{"forward": 0, "backward": 0}, {"forward": 0, "backward": 100, "boundary": 0}, planned]
+    # A known plan within its target stands; an unknown one too; an infeasible one is returned as it is.
+    assert solve_knowing(known, {}, solve, lambda d, held: False) == ({}, True)
+    assert solve_knowing({}, {"backward": 7}, lambda e: (("save",), False), lambda d, h: True) == ({"backward": 7}, True)
+    # Every plan found is known over, with every known excess counted: the last does not stand.
+    always = solve_knowing({"s": {"backward": 9}}, {}, lambda e: (("save",), True), lambda d, h: True)
+    assert always == ({"backward": 9}, False)
+    assert merged_excess({"backward": 4}, {"backward": 2, "boundary": -1}, {"forward": 3}) == {
+        "backward": 4, "boundary": 0, "forward": 3}
+    assert decisions_code(("save", "recompute", "offload")) == "sro"
+
+
+def test_plan_step_plans_each_graph_knowing_what_its_plans_compiled_before_held():
+    """The three graphs of the test above, where keeping both values was compiled before and its backward held
+    100 B beyond the model (Inductor's fused kernels): no graph is given that plan (the step would peak at 900 B,
+    over 820 B), each keeps the plan of the shared level, and each graph's compile, knowing it, re-makes it."""
+    p = MemoryProblem(base_bytes=np.full(10, 100), step_seconds=np.ones(10), backward_start=5, candidates=(
+        Candidate("small", 50, 0, 1, 8, 9, recompute_seconds=1.0), Candidate("big", 200, 1, 2, 6, 7, recompute_seconds=1.5)))
+    shapes = [StepShape(("A", "B", "C"), 0)]
+    known = (("ss", (("backward", 100), ("forward", 0))),)
+    graphs = {k: dataclasses.replace(graph(k, p, target=820, shared=100), unplanned=p, known_excess=known) for k in "ABC"}
+    over = p.with_excess({"backward": 100})
+    assert (graphs["A"].problem_for((SAVE, SAVE)).base_bytes == over.base_bytes).all()
+    assert graphs["A"].problem_for((RECOMPUTE, SAVE)) is p
+    assert graphs["A"].levels((SAVE, SAVE)) == GraphLevels.of(over, (SAVE, SAVE))
+    plan = plan_step(shapes, graphs, {k: p.all_saved() for k in "ABC"}, solver)
+    assert plan.feasible and plan.peak.bytes == 750
+    assert list(plan.decisions.values()) == [(RECOMPUTE, SAVE)] * 3
+    for k, g in graphs.items():
+        decisions, ok = g.solve(plan.contexts[k], g.target, solver)
+        assert ok and decisions == plan.decisions[k]
+    # Without what "ss" held, one graph keeps it (the test above).
+    unknown = {k: graph(k, p, target=820, shared=100) for k in "ABC"}
+    assert plan_step(shapes, unknown, {k: p.all_saved() for k in "ABC"}, solver).peak.bytes == 800
+
+
 def test_step_context_validates():
     with pytest.raises(ValueError, match="forward_bytes"):
         StepContext(forward_bytes=-1)
@@ -412,6 +463,12 @@ def test_step_context_validates():
     with pytest.raises(ValueError, match="first_step"):
         StepContext(first_step=1)
     assert StepContext.parse({"first_step": True}) == StepContext(first_step=True)
+    known = StepContext(known_excess=[["rs", [["backward", 5]]]])  # its JSON form
+    assert known.known_excess == (("rs", (("backward", 5),)),)
+    assert StepContext.parse(json.loads(json.dumps(known.to_json()))) == known
+    for bad in ([["rx", []]], [["rs", [["middle", 5]]]], [["rs", [["backward", 5.0]]]], "rs", [[1, 2, 3]]):
+        with pytest.raises(ValueError, match="known_excess"):
+            StepContext(known_excess=bad)
 
 
 def test_a_step_context_outside_a_first_step_hashes_as_before_first_step_existed():
