@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -116,3 +117,17 @@ def test_cuda_a_programs_own_history_is_read_and_left_recording():
         assert any(e["action"] == "alloc" for e in torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()])
     finally:
         torch.cuda.memory._record_memory_history(None)
+
+
+def test_a_block_freed_unseen_is_counted_freed_where_its_address_is_taken_again():
+    """The profiler records no free made on a thread it does not follow (gloo's worker thread releasing a
+    collective's buffers): an allocation at the address of a block still counted alive frees it there."""
+    from dpcs_compiler.measure import with_unseen_frees
+
+    events = [(1, 100, 0xA), (2, 50, 0xB), (3, -50, 0xB), (4, 80, 0xA), (5, -80, 0xA), (6, -30, 0xC)]
+    assert with_unseen_frees(events) == [(1, 100), (2, 50), (3, -50), (4, -100), (4, 80), (5, -80), (6, -30)]
+    levels = itertools.accumulate(n for _, n in with_unseen_frees(events))
+    assert max(levels) == 150  # 230 counting the unseen block alive to the end
+    # A step of one thread frees what it allocates before its address is taken again: nothing is added.
+    steady = [(1, 10, 0xA), (2, -10, 0xA), (3, 10, 0xA), (4, -10, 0xA)]
+    assert with_unseen_frees(steady) == [(t, n) for t, n, _ in steady]

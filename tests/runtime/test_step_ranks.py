@@ -72,7 +72,8 @@ def test_fsdp2_blocks_count_their_gathered_parameters_and_hold_the_step_budget(t
         # thread (docs/memory_budget.md, limits): steps of one plan differ by whole blocks' gathers. The
         # prediction counts FSDP_BLOCKS_IN_FLIGHT blocks lingering beside the running one: it bounds every
         # measured step (within the correction tolerance), and it is above the lowest by no more than those
-        # blocks and 3%. (Measured: 35.7-41.0 MB against 41.0 MB predicted.)
+        # blocks and 3%. (Measured: 35.7-37.8 MB in 72 steps against 41.0 MB predicted; 35.7-41.0 MB before a
+        # block freed unseen was counted freed where its address is taken again.)
         lingering = FSDP_BLOCKS_IN_FLIGHT * BLOCK_BYTES
         tolerance = max(CORRECTION_MIN_BYTES, CORRECTION_MIN_FRACTION * record["predicted_peak_bytes"])
         assert rank["measured_peak"] - tolerance <= record["predicted_peak_bytes"]
