@@ -18,10 +18,11 @@ worker thread releases them: docs/memory_budget.md, limits). Drawn at seed 58 on
 was kept and 30.45 MiB below the lowest refused, but one step at a 39.05 MB budget measured 37.83 MB where its
 prediction was 37.30 MB and the other steps of that plan 33.62-35.73 MB (two blocks lingering); under Inductor
 every budget was kept, the closest step 1.1 MB under its 31.63 MB budget. A drawn budget near the lowest can so be
-exceeded by a step, and is corrected at the next. (Its "lowest" peak had come out above a plan made for a larger
-budget: the worker kept the last budget's model alive, reference cycles and all, while the next compiled, and
-its FSDP2 states, in torch's registry while alive, were counted as the next step's parameters. The worker now
-collects it first.)
+exceeded by a step, and is corrected at the next. (Drawn in one worker process after the unbudgeted step, its "lowest"
+peak came out above a plan made for a larger budget: the worker keeps the last budget's model alive, reference
+cycles and all, while the next compiles, and its FSDP2 states, in torch's registry while alive, are counted as
+the next step's parameters. Collecting it first gives a fresh process's lowest, but with it the DDP draws failed
+twice in eight runs under -n 2, a gloo collective timing out in a step view's agreement; it was not kept.)
 
 The default tier draws one budget for the first two shapes under the eager compiler; the slow tier one for the
 dynamic shape, and four per shape under both compilers (three for DDP). DPCS_PROPERTY_SEED sets the seed

@@ -20,7 +20,6 @@ property:SHAPE:COMPILER (`tests/e2e/test_budget_property.py`): the ddp or fsdp s
 from __future__ import annotations
 
 import contextlib
-import gc
 import sys
 import warnings
 from pathlib import Path
@@ -163,12 +162,7 @@ def budgets_in_turn(rank: int, world: int, shape: str, compiler: str, budgets: l
     or the measured peak, the step's prediction (as its variants compiled) and its last step record's."""
     make = {"ddp": lambda r, w, o: _ddp_step(r, w, o)[:3], "fsdp": lambda r, w, o: _fsdp_resident(*_fsdp_step(r, w, o))}[shape]
     out = []
-    model = step = resident = None
     for budget in budgets:
-        # The last budget's model gone first: its FSDP2 states (in torch's registry while alive, cycles and all)
-        # would be this step's parameters too.
-        del model, step, resident
-        gc.collect()
         torch._dynamo.reset()
         clear_compile_records()
         options = {"compiler": compiler, **({"memory_budget": budget} if budget else {}),
