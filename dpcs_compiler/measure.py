@@ -177,7 +177,6 @@ class CpuMemoryProfile:
         is counted freed there, not alive to the end (FSDP2 on gloo: steps of one plan measured 35.7-41.0 MB,
         in whole blocks' gathers, for want of those frees)."""
         self.stop()
-        assert self._events is not None
         return with_unseen_frees(sorted(
             ((e.start_time_ns, e.extra_fields.alloc_size, e.extra_fields.ptr) for e in self._tree()
              if isinstance(e.extra_fields, _Allocation) and e.extra_fields.device.type == "cpu"),

@@ -357,6 +357,8 @@ class GraphStep:
 
     def problem_for(self, decisions: Sequence[str]) -> MemoryProblem:
         """The problem that predicts the plan of `decisions`: with what its compiled graphs held, where known."""
+        if not self.known_excess:  # (the step search's every attempt asks: no code built then)
+            return self.problem
         held = dict(self.known_excess).get(decisions_code(decisions))
         return self.problem if held is None else self.planned_with(dict(held))
 
