@@ -402,13 +402,15 @@ class GraphDispatcher:
         """The job that compiled the current variant's training graph (None: gone, or fell back)."""
         return next((j for j in self.jobs.get(self.current_key, ()) if j is not None and j.problem is not None), None)
 
-    def step_graph(self, credit: bool = False) -> Any | None:
+    def step_graph(self, credit: bool = False, as_compiled: bool = False) -> Any | None:
         """(GraphStep, decisions) of the current variant, for the step planner; None without a memory plan.
-        `credit`: as its compile judged it, inside a step offered torch's partitions (`GraphJob.step_graph`)."""
+        `credit`: as its compile judged it, inside a step offered torch's partitions; `as_compiled`: predicting
+        the compiled step (`GraphJob.step_graph`)."""
         job = self.current_job()
         if job is None:
             return None
-        return job.step_graph(held_excess=self.bucket not in self.provisional, credit=credit, known=self.known_excess(job))
+        return job.step_graph(held_excess=self.bucket not in self.provisional, credit=credit, as_compiled=as_compiled,
+                              known=self.known_excess(job))
 
     def known_excess(self, job: Any) -> dict[str, dict[str, int]]:
         """What the compiled graphs of this graph's plans held beyond the plan model, by `decisions_code`, as its

@@ -321,7 +321,8 @@ class StepRecorder(Measuring, Planning):
         graphs, levels = {}, {}
         for name, ref in planned.dispatchers.items():
             dispatcher = ref()
-            step_graph = dispatcher.step_graph(credit=self.torch_planned) if dispatcher is not None else None
+            step_graph = (dispatcher.step_graph(credit=self.torch_planned, as_compiled=True)
+                          if dispatcher is not None else None)
             if step_graph is None:
                 return True  # gone, or no plan to read: measured against the plan's own figures
             g, decisions = step_graph

@@ -223,7 +223,7 @@ def compiled_variants_standing_in(monkeypatch):
         def __init__(self, levels):
             self.levels = levels
 
-        def step_graph(self, credit=False):
+        def step_graph(self, credit=False, as_compiled=False):
             return type("G", (), {"problem": self.levels})(), ("saved",)
 
     return Variant
