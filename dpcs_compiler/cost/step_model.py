@@ -418,9 +418,10 @@ class StepShape:
     # Per call (empty: none): FSDP2's parameters gathered for it, of what its graph's timeline counts (for messages).
     call_gathered_bytes: tuple[int, ...] = ()
     forward_extra_bytes: int = 0  # alive during every forward besides (FSDP2's prefetched next gather)
-    backward_extra_bytes: int = 0  # and every backward (FSDP2's gathers and reduce-scatters in flight)
+    backward_extra_bytes: int = 0  # and every backward
     # Per call (empty: none), alive during its forward / its backward besides: parameters brought in for other
-    # blocks while it runs (ParameterOffload's prefetch of its neighbours).
+    # blocks while it runs (ParameterOffload's prefetch of its neighbours; FSDP2's gathers and reduce-scatters
+    # beside a block's backward, `step.calls.fsdp_in_flight`).
     call_forward_extra_bytes: tuple[int, ...] = ()
     call_backward_extra_bytes: tuple[int, ...] = ()
     # Allocated at the step's turn, between its last forward and its first backward, by code outside the graphs
@@ -603,8 +604,14 @@ def contexts_for(
 def _gathered(shape: StepShape, i: int, phase: str) -> int:
     """FSDP2's gathered parameters alive at call `i`'s `phase`: its own in its forward and backward, and those
     its neighbours' gathers and reduce-scatters hold beside it (at the turn, the next forward's prefetch)."""
-    own = shape.call_gathered_bytes[i] if shape.call_gathered_bytes and phase != TURN else 0
-    return own + (shape.backward_extra_bytes if phase == "backward" else shape.forward_extra_bytes)
+    if not shape.call_gathered_bytes:
+        return 0
+    own = shape.call_gathered_bytes[i] if phase != TURN else 0
+    if phase != "backward":
+        return own + shape.forward_extra_bytes
+    # (A step with ParameterOffload blocks counts their prefetch in the same per-call figure: not FSDP2's.)
+    behind = shape.call_backward_extra_bytes[i] if shape.call_backward_extra_bytes and not shape.offload_blocks else 0
+    return own + shape.backward_extra_bytes + behind
 
 
 def step_peak(

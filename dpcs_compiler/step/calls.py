@@ -27,7 +27,12 @@ from dpcs_compiler.step.holdings import _Block, _Fsdp
 from dpcs_compiler.step.participant import Participant
 
 
-FSDP_BLOCKS_IN_FLIGHT = 3  # FSDP2 backward: blocks' worth of gathers and reduce-scatters beside the one running
+# FSDP2's backward, beside the block that runs: the block before it, gathered ahead (its prefetch); and the
+# block after it, whose gradients' reduce-scatter input FSDP2 keeps until the next reduce-scatter, with the copy
+# the collective makes of it while it runs (gloo's reduce-scatter; released when the collective ends, before or
+# after the running block's peak by the ranks' timing).
+FSDP_PREFETCHED_BLOCKS = 1
+FSDP_REDUCING_COPIES = 2
 
 
 STABLE_STEPS = 2
@@ -77,6 +82,7 @@ class _Call:
     backward_others: int = 0
     # Of `held`: what it holds only because its plan recomputes from it (`_kept_for_recomputation`).
     kept: frozenset[int] = frozenset()
+    block: frozenset[int] = frozenset()  # FSDP2: its gathered parameters (by id): the block it runs
 
     def backward_starts(self, calls: Sequence[_Call], collect: bool) -> None:
         """Its backward starts: read which of its droppable buffers the step has freed, and what the others'
@@ -147,6 +153,27 @@ def _compile_marks() -> tuple[Any, int, int]:
 
 def _marks_changed(before: tuple[Any, int, int], now: tuple[Any, int, int]) -> bool:
     return before[0] is not now[0] or before[1:] != now[1:]
+
+
+def fsdp_in_flight(blocks: Sequence[frozenset[int]], gathered: Sequence[int]) -> tuple[int, ...]:
+    """Per call of a step (in forward order, each with its FSDP2 block: the ids of the gathered parameters it
+    takes, empty for none, and their bytes), what FSDP2 holds beside its backward: the gather of the block
+    before it (`FSDP_PREFETCHED_BLOCKS`) and the reduce-scatter of the block after it, which ran its backward
+    just before (`FSDP_REDUCING_COPIES`). A block several calls take (a graph break inside it) is one block;
+    the first backward has nothing reducing yet and the last nothing to gather ahead."""
+    if len(blocks) != len(gathered):
+        raise ValueError(f"fsdp_in_flight: {len(blocks)} blocks for {len(gathered)} calls; one per call")
+    size: dict[frozenset[int], int] = {}
+    for block, nbytes in zip(blocks, gathered):
+        if block:
+            size[block] = max(size.get(block, 0), nbytes)
+    out = []
+    for i, block in enumerate(blocks):
+        before = [b for b in dict.fromkeys(blocks[:i]) if b and b != block]
+        after = [b for b in dict.fromkeys(blocks[i + 1:]) if b and b != block]
+        out.append(FSDP_PREFETCHED_BLOCKS * (size[before[-1]] if before else 0)
+                   + FSDP_REDUCING_COPIES * (size[after[0]] if after else 0))
+    return tuple(out)
 
 
 def _alive_elsewhere(calls: Sequence[_Call], this: _Call | None, counted: set[int], *, outputs_only: bool = False) -> int:

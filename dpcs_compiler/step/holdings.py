@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from gc import get_objects
 from typing import Any
 
@@ -42,12 +42,19 @@ class _Block:
 @dataclasses.dataclass(frozen=True)
 class _Fsdp:
     """FSDP2's parameters as the step sees them: the gathered (unsharded) parameters by id, with the bytes of
-    their shard (what their gradient leaves after its reduce-scatter), every shard's bytes (kept all step),
-    and the sharded gradients already there (earlier micro-batches)."""
+    their shard (what their gradient leaves after its reduce-scatter) and the model they belong to (its root's
+    state context, by id); per model, its shards' bytes (kept all step) and the sharded gradients already there
+    (earlier micro-batches). Another FSDP2 model alive in the process (an earlier one not yet collected) is in
+    torch's registry too: a step counts the models whose parameters its graphs take (`of`)."""
 
     gathered: dict[int, int]
-    shard_bytes: int
-    gradient_bytes: int
+    model_of: dict[int, int]
+    models: dict[int, tuple[int, int]]
+
+    def of(self, taken: Iterable[int]) -> tuple[int, int]:
+        """(shard bytes, sharded gradient bytes) of the models of the gathered parameters `taken` (ids)."""
+        used = {self.model_of[p] for p in taken if p in self.model_of}
+        return sum(self.models[m][0] for m in used), sum(self.models[m][1] for m in used)
 
 
 def _fsdp_parameters() -> _Fsdp | None:
@@ -62,8 +69,12 @@ def _fsdp_parameters() -> _Fsdp | None:
     if not states:
         return None
     gathered: dict[int, int] = {}
-    shards = gradients = 0
+    model_of: dict[int, int] = {}
+    models: dict[int, tuple[int, int]] = {}
     for state in states.values():
+        # One model's states share their root's context once it ran (its lazy init); before, each its own.
+        model = id(getattr(state, "_state_ctx", state))
+        shards, gradients = models.get(model, (0, 0))
         for group in state._fsdp_param_groups:
             for fsdp_param in group.fsdp_params:
                 shard = fsdp_param.sharded_param
@@ -76,7 +87,9 @@ def _fsdp_parameters() -> _Fsdp | None:
                 unsharded = getattr(fsdp_param, "_unsharded_param", None)
                 if unsharded is not None:
                     gathered[id(unsharded)] = nbytes
-    return _Fsdp(gathered, shards, gradients)
+                    model_of[id(unsharded)] = model
+        models[model] = (shards, gradients)
+    return _Fsdp(gathered, model_of, models)
 
 
 def _ddp_buckets() -> tuple[dict[int, int], bool]:

@@ -29,7 +29,6 @@ from dpcs_compiler.cost.step_search import CLOSER
 from dpcs_compiler.model_states.param_offload import INSTANCES as OFFLOADS
 from dpcs_compiler.model_states.param_offload import ParameterOffload
 from dpcs_compiler.step.calls import (
-    FSDP_BLOCKS_IN_FLIGHT,
     MAX_PENDING_CALLS,
     _Call,
     _alive_elsewhere,
@@ -39,6 +38,7 @@ from dpcs_compiler.step.calls import (
     _marks_changed,
     _offload_blocks,
     _pieces,
+    fsdp_in_flight,
 )
 from dpcs_compiler.step.holdings import (
     HELD_ELSEWHERE,
@@ -208,6 +208,7 @@ class StepRecorder(Measuring, Planning):
         outside, bucket_views = _ddp_buckets()
         fsdp = _fsdp_parameters()
         own_gradients = gathered = 0
+        block: set[int] = set()  # FSDP2: the gathered parameters it takes (its block)
         offloads = {id(p): (po, m) for po in list(OFFLOADS) for m in po.modules for p in po.params[m]}
         used: dict[tuple[int, int], tuple[ParameterOffload, torch.nn.Module]] = {}
         # Inputs and outputs its plan keeps alive for a recomputation are held by it through its backward too
@@ -231,6 +232,7 @@ class StepRecorder(Measuring, Planning):
                     continue
                 if fsdp is not None and id(x) in fsdp.gathered:  # freed after its block: not the step's
                     gathered += x.numel() * x.element_size()
+                    block.add(id(x))
                     own_gradients += fsdp.gathered[id(x)] if x.requires_grad else 0
                     continue
                 if storage.data_ptr() not in parameters and x.requires_grad:
@@ -291,7 +293,7 @@ class StepRecorder(Measuring, Planning):
                      gathered, fsdp, tuple(used), *(frozenset((id(po), id(n)) for po, m in used.values()
                                                           for n in po.neighbours(m, direction)) for direction in (+1, -1)),
                      droppable=_droppable(sharing, args, outputs, held, parameters), forward_others=forward_others,
-                     kept=frozenset(kept - read))
+                     kept=frozenset(kept - read), block=frozenset(block))
         self.calls.append(call)
         self.pending += 1
         if self.meter is not None:
@@ -428,14 +430,17 @@ class StepRecorder(Measuring, Planning):
             held_before.update(p for p in c.held if p not in c.kept)
         for key in [k for k in outside if k in parameters]:
             del outside[key]  # a parameter one call does not take and another does (its gradient counted with it)
-        fsdp = next((c.fsdp for c in reversed(calls) if c.fsdp is not None), None)
+        # FSDP2: the models whose gathered parameters the calls take (another alive in the process is not the step's).
+        seen = next((c.fsdp for c in reversed(calls) if c.fsdp is not None), None)
+        fsdp = seen is not None and any(c.block for c in calls)
+        shards, sharded_gradients = seen.of(p for c in calls for p in c.block) if fsdp else (0, 0)
         offload = _offload_blocks(calls, blocks)
         shape = StepShape(
             instances=tuple(c.dispatcher.name for c in calls),
             # FSDP2: every rank keeps its shards; each block's gathered parameters live for its call only.
-            parameter_bytes=sum(parameters.values()) + (fsdp.shard_bytes if fsdp else 0),
-            outside_bytes=sum(gradients.values()) + sum(outside.values()) + (fsdp.gradient_bytes if fsdp else 0),
-            accumulated_bytes=sum(gradients.values()) + (fsdp.gradient_bytes if fsdp else 0),
+            parameter_bytes=sum(parameters.values()) + shards,
+            outside_bytes=sum(gradients.values()) + sum(outside.values()) + sharded_gradients,
+            accumulated_bytes=sum(gradients.values()) + sharded_gradients,
             bucket_bytes=sum(outside.values()),
             inputs_held_before=tuple(inputs_held_before),
             held_twice=tuple(held_twice),
@@ -447,10 +452,10 @@ class StepRecorder(Measuring, Planning):
             call_forward_others=tuple(c.forward_others for c in calls),
             call_backward_others=tuple(c.backward_others for c in calls),
             # FSDP2 works ahead of the block that runs: the next block's gather in its forward; in its backward,
-            # the next gather, the reduce-scatter input of the gradients just made and the one before it, not
-            # yet waited for (measured on gloo: one to three blocks' worth, by the ranks' timing).
+            # the gather of the block before it and the reduce-scatter of the block after it (`fsdp_in_flight`).
             forward_extra_bytes=max((c.gathered for c in calls), default=0) if fsdp else 0,
-            backward_extra_bytes=FSDP_BLOCKS_IN_FLIGHT * max((c.gathered for c in calls), default=0) if fsdp else 0,
+            call_backward_extra_bytes=fsdp_in_flight([c.block for c in calls], [c.gathered for c in calls])
+            if fsdp else (),
         )
         if offload is not None:  # every block counted as kept on the device; `with_offloaded` counts a choice
             shape = dataclasses.replace(

@@ -219,6 +219,10 @@ def test_a_peak_names_fsdp2s_gathered_parameters_alive_there():
     assert step_peak([StepShape(("A", "B"), 40)], graphs, levels).gathered_bytes == 0  # no FSDP2: nothing gathered
     with pytest.raises(ValueError, match="call_gathered_bytes needs one entry per call"):
         StepShape(("A", "B"), 40, call_gathered_bytes=(30,))
+    # Per call (`step.calls.fsdp_in_flight`): each backward names what is in flight beside it.
+    per_call = StepShape(("A", "B"), 40, call_gathered_bytes=(30, 20), call_backward_extra_bytes=(40, 60))
+    backward = step_peak([per_call], graphs, levels, ("backward",))
+    assert backward.gathered_bytes == per_call.call_gathered_bytes[backward.instance] + (40, 60)[backward.instance]
 
 
 def test_plan_step_keeps_plans_that_already_fit_the_step():

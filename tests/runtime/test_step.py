@@ -206,6 +206,38 @@ def test_two_steps_of_one_shape_count_per_call_the_one_that_freed_less_with_what
     assert _covering(a, unseen).call_backward_freed == ()
 
 
+
+def test_fsdp2_blocks_count_the_gather_ahead_and_the_reduce_scatter_behind_their_own_backward():
+    """FSDP2 per block: beside a block's backward, the block before it is gathered ahead and the block after it
+    (whose backward just ran) is being reduce-scattered, with the collective's copy of its input. The first
+    backward (the last block) has nothing reducing, the last (the first block) nothing to gather; a block taken
+    by two calls (a graph break inside it) is one block, and a call without one sits between its neighbours."""
+    from dpcs_compiler.step.calls import FSDP_PREFETCHED_BLOCKS, FSDP_REDUCING_COPIES, fsdp_in_flight
+
+    a, b, c = frozenset({1}), frozenset({2}), frozenset({3})
+    ahead, behind = FSDP_PREFETCHED_BLOCKS, FSDP_REDUCING_COPIES
+    assert fsdp_in_flight([a, b, c], [10, 20, 30]) == (behind * 20, ahead * 10 + behind * 30, ahead * 20)
+    # b broken in two graphs: both its calls see a gathered ahead and c reducing, not b itself.
+    assert fsdp_in_flight([a, b, b, c], [10, 20, 5, 30]) == (behind * 20, ahead * 10 + behind * 30,
+                                                             ahead * 10 + behind * 30, ahead * 20)
+    assert fsdp_in_flight([a, frozenset(), c], [10, 0, 30]) == (behind * 30, ahead * 10 + behind * 30, ahead * 10)
+    assert fsdp_in_flight([a], [10]) == (0,)
+    with pytest.raises(ValueError, match="one per call"):
+        fsdp_in_flight([a, b], [10])
+
+
+def test_a_step_counts_the_shards_of_the_fsdp2_models_its_graphs_take_not_every_one_alive():
+    """Torch's registry holds every FSDP2 state alive in the process: an earlier model not yet collected is
+    there too. A step counts the shards and sharded gradients of the models whose gathered parameters its
+    calls take (`_Fsdp.of`)."""
+    from dpcs_compiler.step.holdings import _Fsdp
+
+    fsdp = _Fsdp(gathered={1: 10, 2: 10, 3: 40}, model_of={1: 100, 2: 100, 3: 200},
+                 models={100: (20, 4), 200: (40, 8)})
+    assert fsdp.of([1]) == (20, 4) and fsdp.of([1, 2]) == (20, 4)  # a model counts once, all its shards
+    assert fsdp.of([2, 3]) == (60, 12)
+    assert fsdp.of([]) == (0, 0) and fsdp.of([7]) == (0, 0)  # no FSDP2 parameter taken: none of theirs
+
 def compiled_variants_standing_in(monkeypatch):
     """The step model read through stand-ins: a compiled variant's (problem, decisions) is its predicted levels
     (inside the graphs, at the turn, at the end), and the step's peak the largest of the first two. Returns the

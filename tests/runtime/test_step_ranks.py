@@ -14,7 +14,6 @@ import torch
 from dpcs_testing import run_step_ranks
 from dpcs_compiler.debug.render import format_bytes
 from dpcs_compiler.cost.budget import CORRECTION_MIN_BYTES, CORRECTION_MIN_FRACTION
-from dpcs_compiler.step.calls import FSDP_BLOCKS_IN_FLIGHT
 from step_scenarios import LayerNormStack, global_batch
 
 # Between the lowest step peak dpcs reaches here (53.6 MB predicted) and the step's peak without a budget
@@ -68,16 +67,16 @@ def test_fsdp2_blocks_count_their_gathered_parameters_and_hold_the_step_budget(t
         record = rank["steps"][-1]
         assert record["feasible"] and rank["steps"][0]["replanned"] and len(record["calls"]) == 6
         assert all(peak <= FSDP_BUDGET for peak in rank["measured_peaks"])
-        # On gloo a collective's buffers are released by the rank's thread or, a few ms later, by gloo's worker
-        # thread (docs/memory_budget.md, limits): steps of one plan differ by whole blocks' gathers. The
-        # prediction counts FSDP_BLOCKS_IN_FLIGHT blocks lingering beside the running one: it bounds every
-        # measured step (within the correction tolerance), and it is above the lowest by no more than those
-        # blocks and 3%. (Measured: 35.7-37.8 MB in 72 steps against 41.0 MB predicted; 35.7-41.0 MB before a
-        # block freed unseen was counted freed where its address is taken again.)
-        lingering = FSDP_BLOCKS_IN_FLIGHT * BLOCK_BYTES
-        tolerance = max(CORRECTION_MIN_BYTES, CORRECTION_MIN_FRACTION * record["predicted_peak_bytes"])
-        assert rank["measured_peak"] - tolerance <= record["predicted_peak_bytes"]
-        assert record["predicted_peak_bytes"] <= 1.03 * (min(rank["measured_peaks"]) + lingering)
+        # The step is predicted from its compiled variants (`compiled_peak_bytes`), each block's backward with
+        # FSDP2's gather ahead and the reduce-scatter behind (`step.calls.fsdp_in_flight`). On gloo the
+        # reduce-scatter's copy of its input is released when the collective ends, before or after the next
+        # block's peak by the ranks' timing: steps of one plan differ by that block (docs/memory_budget.md,
+        # limits). The prediction bounds every measured step (within the correction tolerance) and is within 3%
+        # of the step that holds that copy. (Measured: 37.8 MB, 39.9 MB with the copy, predicted 40.45 MB.)
+        predicted = record["compiled_peak_bytes"] or record["predicted_peak_bytes"]
+        tolerance = max(CORRECTION_MIN_BYTES, CORRECTION_MIN_FRACTION * predicted)
+        assert rank["measured_peak"] - tolerance <= predicted
+        assert predicted <= 1.03 * (min(rank["measured_peaks"]) + BLOCK_BYTES)  # the copy: one block
     assert zero["steps"] == one["steps"] and zero["plan_hashes"] == one["plan_hashes"]
     torch.manual_seed(0)
     model = LayerNormStack()
