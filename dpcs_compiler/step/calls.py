@@ -27,12 +27,14 @@ from dpcs_compiler.step.holdings import _Block, _Fsdp
 from dpcs_compiler.step.participant import Participant
 
 
-# FSDP2's backward, beside the block that runs: the block before it, gathered ahead (its prefetch); and the
-# block after it, whose gradients' reduce-scatter input FSDP2 keeps until the next reduce-scatter, with the copy
-# the collective makes of it while it runs (gloo's reduce-scatter; released when the collective ends, before or
-# after the running block's peak by the ranks' timing).
+# FSDP2's backward, beside the block that runs: the block before it, gathered ahead (its prefetch); the block
+# after it, whose gradients' reduce-scatter input FSDP2 keeps until the next reduce-scatter; and one block's
+# worth of a collective's buffers released late (gloo's reduce-scatter copies its input, and its worker thread
+# drops a collective's buffers when the collective ends, before or after the running block's peak by the ranks'
+# timing: measured at the first backward too, a forward gather's).
 FSDP_PREFETCHED_BLOCKS = 1
-FSDP_REDUCING_COPIES = 2
+FSDP_REDUCING_BLOCKS = 1
+FSDP_LATE_BLOCKS = 1
 
 
 STABLE_STEPS = 2
@@ -158,21 +160,23 @@ def _marks_changed(before: tuple[Any, int, int], now: tuple[Any, int, int]) -> b
 def fsdp_in_flight(blocks: Sequence[frozenset[int]], gathered: Sequence[int]) -> tuple[int, ...]:
     """Per call of a step (in forward order, each with its FSDP2 block: the ids of the gathered parameters it
     takes, empty for none, and their bytes), what FSDP2 holds beside its backward: the gather of the block
-    before it (`FSDP_PREFETCHED_BLOCKS`) and the reduce-scatter of the block after it, which ran its backward
-    just before (`FSDP_REDUCING_COPIES`). A block several calls take (a graph break inside it) is one block;
-    the first backward has nothing reducing yet and the last nothing to gather ahead."""
+    before it (`FSDP_PREFETCHED_BLOCKS`), the reduce-scatter input of the block after it, which ran its backward
+    just before (`FSDP_REDUCING_BLOCKS`), and the largest block's worth released late (`FSDP_LATE_BLOCKS`). A
+    block several calls take (a graph break inside it) is one block; the first backward has nothing reducing
+    yet and the last nothing to gather ahead."""
     if len(blocks) != len(gathered):
         raise ValueError(f"fsdp_in_flight: {len(blocks)} blocks for {len(gathered)} calls; one per call")
     size: dict[frozenset[int], int] = {}
     for block, nbytes in zip(blocks, gathered):
         if block:
             size[block] = max(size.get(block, 0), nbytes)
+    late = FSDP_LATE_BLOCKS * max(size.values(), default=0)
     out = []
     for i, block in enumerate(blocks):
         before = [b for b in dict.fromkeys(blocks[:i]) if b and b != block]
         after = [b for b in dict.fromkeys(blocks[i + 1:]) if b and b != block]
         out.append(FSDP_PREFETCHED_BLOCKS * (size[before[-1]] if before else 0)
-                   + FSDP_REDUCING_COPIES * (size[after[0]] if after else 0))
+                   + FSDP_REDUCING_BLOCKS * (size[after[0]] if after else 0) + late)
     return tuple(out)
 
 

@@ -208,20 +208,25 @@ def test_two_steps_of_one_shape_count_per_call_the_one_that_freed_less_with_what
 
 
 def test_fsdp2_blocks_count_the_gather_ahead_and_the_reduce_scatter_behind_their_own_backward():
-    """FSDP2 per block: beside a block's backward, the block before it is gathered ahead and the block after it
-    (whose backward just ran) is being reduce-scattered, with the collective's copy of its input. The first
-    backward (the last block) has nothing reducing, the last (the first block) nothing to gather; a block taken
-    by two calls (a graph break inside it) is one block, and a call without one sits between its neighbours."""
-    from dpcs_compiler.step.calls import FSDP_PREFETCHED_BLOCKS, FSDP_REDUCING_COPIES, fsdp_in_flight
+    """FSDP2 per block: beside a block's backward, the block before it is gathered ahead, the block after it
+    (whose backward just ran) is being reduce-scattered, and a block's worth of a collective's buffers may be
+    released late (gloo). The first backward (the last block) has nothing reducing, the last (the first block)
+    nothing to gather; a block taken by two calls (a graph break inside it) is one block, and a call without
+    one sits between its neighbours."""
+    from dpcs_compiler.step.calls import (FSDP_LATE_BLOCKS, FSDP_PREFETCHED_BLOCKS, FSDP_REDUCING_BLOCKS,
+                                          fsdp_in_flight)
 
     a, b, c = frozenset({1}), frozenset({2}), frozenset({3})
-    ahead, behind = FSDP_PREFETCHED_BLOCKS, FSDP_REDUCING_COPIES
-    assert fsdp_in_flight([a, b, c], [10, 20, 30]) == (behind * 20, ahead * 10 + behind * 30, ahead * 20)
+    ahead, behind, late = FSDP_PREFETCHED_BLOCKS, FSDP_REDUCING_BLOCKS, FSDP_LATE_BLOCKS * 30  # the largest
+    assert fsdp_in_flight([a, b, c], [10, 20, 30]) == (behind * 20 + late, ahead * 10 + behind * 30 + late,
+                                                       ahead * 20 + late)
     # b broken in two graphs: both its calls see a gathered ahead and c reducing, not b itself.
-    assert fsdp_in_flight([a, b, b, c], [10, 20, 5, 30]) == (behind * 20, ahead * 10 + behind * 30,
-                                                             ahead * 10 + behind * 30, ahead * 20)
-    assert fsdp_in_flight([a, frozenset(), c], [10, 0, 30]) == (behind * 30, ahead * 10 + behind * 30, ahead * 10)
-    assert fsdp_in_flight([a], [10]) == (0,)
+    assert fsdp_in_flight([a, b, b, c], [10, 20, 5, 30]) == (behind * 20 + late, ahead * 10 + behind * 30 + late,
+                                                             ahead * 10 + behind * 30 + late, ahead * 20 + late)
+    assert fsdp_in_flight([a, frozenset(), c], [10, 0, 30]) == (behind * 30 + late, ahead * 10 + behind * 30 + late,
+                                                                ahead * 10 + late)
+    assert fsdp_in_flight([a], [10]) == (FSDP_LATE_BLOCKS * 10,)
+    assert fsdp_in_flight([frozenset()], [0]) == (0,)  # no FSDP2 block: nothing
     with pytest.raises(ValueError, match="one per call"):
         fsdp_in_flight([a, b], [10])
 
