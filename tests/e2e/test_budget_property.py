@@ -5,24 +5,24 @@ the compile raises `BudgetInfeasibleError` naming the smallest peak; nothing in 
 
 Shapes: one graph (MiniGPT), graph breaks (`BranchingNet`: three graphs a step), dynamic shapes (MiniGPT
 compiled with `dynamic=True`, trained at 64, 128 and 256 tokens; the budget is of the step at 256), and on two
-gloo ranks DDP with 2 MB buckets (`LayerNormStack`, `tests/runtime/step_rank_worker.py`, each budget in a job of
-its own: every budget must be kept or refused on both ranks alike). Where a budget is kept, the step's
-prediction is checked against its measurement too (not the dynamic step's, whose measurement is the largest of
-three lengths, each planned apart), and on the graph-break net the step's plans are checked against every
-combination of its graphs' plans: none that fits the step adds less time (`_no_faster_step_fits`; a plan well
-under its budget is then one where no plan closer to it is as fast).
+gloo ranks DDP with 2 MB buckets and FSDP2 per block (`LayerNormStack`, `tests/runtime/step_rank_worker.py`,
+each budget in a job of its own: every budget must be kept or refused on both ranks alike). Where a budget is
+kept, the step's prediction is checked against its measurement too (not the dynamic step's, whose measurement
+is the largest of three lengths, each planned apart), and on the graph-break net the step's plans are checked
+against every combination of its graphs' plans: none that fits the step adds less time (`_no_faster_step_fits`;
+a plan well under its budget is then one where no plan closer to it is as fast).
 
-FSDP2 per block is not drawn here (issue 58, items 3 and 6, open): the rank worker runs it (`property:fsdp:
-COMPILER`), but on gloo the ranks' timing decides how many of a collective's buffers are alive at a block's peak
-(docs/memory_budget.md, limits). Drawn at seeds 58, 1, 2 and 3 on 2026-12-06, each budget in a job of its own
-(24 budgets per compiler): every measured step stayed within its budget. What failed: under Inductor a budget
-0.6-2.7 MB above the lowest peak was refused at step 3 (a measured step held buffers late, the step was planned
-again above it: the lowest a run reaches moves by a block); under eager a budget 2% below the lowest was kept
-(the lowest of that run came out a block higher); and one eager step measured 0.53 MB over its prediction
-(gloo released a block and a half late; the prediction counts one block).
+FSDP2's prediction is not held within 2% of its step: on gloo the ranks' timing decides whether a block's
+reduce-scatter copy (and a collective's buffers gloo's worker thread drops late) is alive at a block's peak
+(docs/memory_budget.md, limits), and the prediction counts one such block. It is held within 3% above the step
+that holds that copy; it is not asserted to bound the step. Drawn at seeds 58, 1, 2 and 3 on 2026-12-06 (2cc7844,
+each budget in a job of its own, 3 budgets per seed and compiler and one below the lowest): every budget was
+kept or refused on both ranks, and one step measured 0.52 MB over its prediction (seed 3, eager, 50.1 MB
+budget: 47.78 MB measured, 47.26 MB predicted, the other rank 45.67 MB). Plans sit 0.81-0.95 of their
+budgets: a graph called for five blocks takes one plan for all five.
 
 The default tier draws one budget for the first two shapes under the eager compiler; the slow tier one for the
-dynamic shape, and four per shape under both compilers (three for DDP). DPCS_PROPERTY_SEED sets the seed
+dynamic shape, and four per shape under both compilers (three for DDP and FSDP2). DPCS_PROPERTY_SEED sets the seed
 (default 58)."""
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from dpcs_testing import allowing_best_plan, budget_refusal, dpcs_compile, run_s
 
 SEED = int(os.environ.get("DPCS_PROPERTY_SEED", "58"))
 PREDICTED = 0.02  # the prediction's largest error, of the measured step peak
+FSDP_PREDICTED = 0.03  # FSDP2 on gloo: above the step that holds one block's reduce-scatter copy, at most
 WARMUP = 4  # steps before the measured one (at each length): first plans, the step plan, a correction, steady
 
 
@@ -128,7 +129,11 @@ def _check_ranks(tmp_path, shape: str, compiler: str, draws: int) -> None:
             measured, predicted = rank["measured_peak"], rank["predicted"]
             print(f"  budget {budget} B: measured {measured} B ({measured / budget:.3f}), predicted {predicted} B")
             assert measured <= budget, f"{shape}, {compiler}: {measured} B measured for a budget of {budget} B"
-            assert abs(predicted - measured) <= PREDICTED * measured, (shape, compiler, predicted, measured)
+            if shape == "fsdp":  # (the module docstring says why)
+                held_copy = measured + rank["block_bytes"]
+                assert predicted <= (1 + FSDP_PREDICTED) * held_copy, (shape, compiler, predicted, measured)
+            else:
+                assert abs(predicted - measured) <= PREDICTED * measured, (shape, compiler, predicted, measured)
 
 
 def _lowest(run, compiler: str) -> int:
@@ -224,6 +229,6 @@ def test_random_budgets_are_kept_or_refused_on_every_shape(shape, compiler):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("compiler", ["eager", pytest.param("inductor", marks=pytest.mark.inductor)])
-@pytest.mark.parametrize("shape", ["ddp"])
+@pytest.mark.parametrize("shape", ["ddp", "fsdp"])
 def test_random_budgets_are_kept_or_refused_on_every_rank(shape, compiler, tmp_path):
     _check_ranks(tmp_path, shape, compiler, draws=3)

@@ -179,7 +179,9 @@ def budgets_in_turn(rank: int, world: int, shape: str, compiler: str, budgets: l
         record = predicted_step_peak()
         out.append({"budget": budget, "raised_at": None, "measured_peak": peak.absolute(baseline),
                     "predicted": None if record is None else record.compiled_peak_bytes or record.predicted_peak_bytes,
-                    "planned": None if record is None else record.predicted_peak_bytes})
+                    "planned": None if record is None else record.predicted_peak_bytes,
+                    # (FSDP2: one block's parameters gathered, the bytes of its gradients' reduce-scatter copy)
+                    "block_bytes": 4 * sum(p.numel() for p in model.blocks[0].parameters())})
     return out
 
 
