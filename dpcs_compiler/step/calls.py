@@ -28,13 +28,13 @@ from dpcs_compiler.step.participant import Participant
 
 
 # FSDP2's backward, beside the block that runs: the block before it, gathered ahead (its prefetch); the block
-# after it, whose gradients' reduce-scatter input FSDP2 keeps until the next reduce-scatter; and one block's
-# worth of a collective's buffers released late (gloo's reduce-scatter copies its input, and its worker thread
-# drops a collective's buffers when the collective ends, before or after the running block's peak by the ranks'
-# timing: measured at the first backward too, a forward gather's).
+# after it, whose gradients' reduce-scatter input FSDP2 keeps until the next reduce-scatter; and a block's
+# worth of buffers per collective its process group releases late (`step.holdings.late_collectives`: gloo's
+# reduce-scatter copies its input, and each of its worker threads drops the collective it ran when it next
+# takes its queue's lock, before or after the running block's peak by the ranks' timing: measured at the first
+# backward too, a forward gather's; 2 blocks late at once on a loaded CPU, gloo's 2 threads).
 FSDP_PREFETCHED_BLOCKS = 1
 FSDP_REDUCING_BLOCKS = 1
-FSDP_LATE_BLOCKS = 1
 
 
 STABLE_STEPS = 2
@@ -157,26 +157,29 @@ def _marks_changed(before: tuple[Any, int, int], now: tuple[Any, int, int]) -> b
     return before[0] is not now[0] or before[1:] != now[1:]
 
 
-def fsdp_in_flight(blocks: Sequence[frozenset[int]], gathered: Sequence[int]) -> tuple[int, ...]:
+def fsdp_in_flight(blocks: Sequence[frozenset[int]], gathered: Sequence[int], late: int = 1) -> tuple[int, ...]:
     """Per call of a step (in forward order, each with its FSDP2 block: the ids of the gathered parameters it
     takes, empty for none, and their bytes), what FSDP2 holds beside its backward: the gather of the block
     before it (`FSDP_PREFETCHED_BLOCKS`), the reduce-scatter input of the block after it, which ran its backward
-    just before (`FSDP_REDUCING_BLOCKS`), and the largest block's worth released late (`FSDP_LATE_BLOCKS`). A
-    block several calls take (a graph break inside it) is one block; the first backward has nothing reducing
-    yet and the last nothing to gather ahead."""
+    just before (`FSDP_REDUCING_BLOCKS`), and the largest block's worth for each of the `late` collectives
+    whose buffers are released after they end (`step.holdings.late_collectives`). A block several calls take
+    (a graph break inside it) is one block; the first backward has nothing reducing yet and the last nothing to
+    gather ahead."""
     if len(blocks) != len(gathered):
         raise ValueError(f"fsdp_in_flight: {len(blocks)} blocks for {len(gathered)} calls; one per call")
+    if not isinstance(late, int) or late < 0:
+        raise ValueError(f"fsdp_in_flight: late={late!r}; a count of collectives, 0 or more")
     size: dict[frozenset[int], int] = {}
     for block, nbytes in zip(blocks, gathered):
         if block:
             size[block] = max(size.get(block, 0), nbytes)
-    late = FSDP_LATE_BLOCKS * max(size.values(), default=0)
+    late_bytes = late * max(size.values(), default=0)
     out = []
     for i, block in enumerate(blocks):
         before = [b for b in dict.fromkeys(blocks[:i]) if b and b != block]
         after = [b for b in dict.fromkeys(blocks[i + 1:]) if b and b != block]
         out.append(FSDP_PREFETCHED_BLOCKS * (size[before[-1]] if before else 0)
-                   + FSDP_REDUCING_BLOCKS * (size[after[0]] if after else 0) + late)
+                   + FSDP_REDUCING_BLOCKS * (size[after[0]] if after else 0) + late_bytes)
     return tuple(out)
 
 

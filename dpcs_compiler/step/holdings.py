@@ -45,16 +45,50 @@ class _Fsdp:
     their shard (what their gradient leaves after its reduce-scatter) and the model they belong to (its root's
     state context, by id); per model, its shards' bytes (kept all step) and the sharded gradients already there
     (earlier micro-batches). Another FSDP2 model alive in the process (an earlier one not yet collected) is in
-    torch's registry too: a step counts the models whose parameters its graphs take (`of`)."""
+    torch's registry too: a step counts the models whose parameters its graphs take (`of`). Per model too, how
+    many collectives' buffers its process groups may release after the collectives end (`late_collectives`)."""
 
     gathered: dict[int, int]
     model_of: dict[int, int]
     models: dict[int, tuple[int, int]]
+    late: dict[int, int] = dataclasses.field(default_factory=dict)
 
     def of(self, taken: Iterable[int]) -> tuple[int, int]:
         """(shard bytes, sharded gradient bytes) of the models of the gathered parameters `taken` (ids)."""
-        used = {self.model_of[p] for p in taken if p in self.model_of}
+        used = self._used(taken)
         return sum(self.models[m][0] for m in used), sum(self.models[m][1] for m in used)
+
+    def late_collectives(self, taken: Iterable[int]) -> int:
+        """The most collectives whose buffers the process groups of the models of `taken` (ids) hold after
+        they end (`late_collectives`), at least one."""
+        return max((self.late.get(m, 1) for m in self._used(taken)), default=1)
+
+    def _used(self, taken: Iterable[int]) -> set[int]:
+        return {self.model_of[p] for p in taken if p in self.model_of}
+
+
+def late_collectives(group: Any, device_type: str) -> int:
+    """How many collectives of `group` may still hold their buffers after they end. Gloo runs collectives on its
+    worker threads, and each drops the collective it ran (its inputs, outputs and copies) only when it takes the
+    queue's lock again (`ProcessGroupGloo::runLoop`): one per thread, its `threads` option (2 by default), by
+    the ranks' timing. Other backends: one (NCCL's release on the GPU waits to be measured: issue 57)."""
+    try:
+        backend = group._get_backend(torch.device(device_type))
+    except (RuntimeError, AttributeError, ValueError):
+        return 1
+    threads = getattr(getattr(backend, "options", None), "_threads", None)
+    if type(backend).__name__ == "ProcessGroupGloo" and isinstance(threads, int) and threads > 0:
+        return threads
+    return 1
+
+
+def _fsdp_groups(group: Any) -> list[Any]:
+    """The process groups an FSDP2 parameter group's collectives run on: its shard group (gathers, and
+    reduce-scatters unless a separate group is set), the separate reduce-scatter group, HSDP's replicate group."""
+    info = group.mesh_info
+    found = [getattr(info, name, None) for name in
+             ("shard_process_group", "reduce_scatter_process_group", "replicate_process_group")]
+    return list({id(g): g for g in found if g is not None}.values())
 
 
 def _fsdp_parameters() -> _Fsdp | None:
@@ -71,11 +105,14 @@ def _fsdp_parameters() -> _Fsdp | None:
     gathered: dict[int, int] = {}
     model_of: dict[int, int] = {}
     models: dict[int, tuple[int, int]] = {}
+    late: dict[int, int] = {}
     for state in states.values():
         # One model's states share their root's context once it ran (its lazy init); before, each its own.
         model = id(getattr(state, "_state_ctx", state))
         shards, gradients = models.get(model, (0, 0))
         for group in state._fsdp_param_groups:
+            device = getattr(group.mesh_info.mesh, "device_type", "cpu")
+            late[model] = max(late.get(model, 1), sum(late_collectives(g, device) for g in _fsdp_groups(group)))
             for fsdp_param in group.fsdp_params:
                 shard = fsdp_param.sharded_param
                 local = shard._local_tensor if hasattr(shard, "_local_tensor") else shard
@@ -89,7 +126,7 @@ def _fsdp_parameters() -> _Fsdp | None:
                     gathered[id(unsharded)] = nbytes
                     model_of[id(unsharded)] = model
         models[model] = (shards, gradients)
-    return _Fsdp(gathered, model_of, models)
+    return _Fsdp(gathered, model_of, models, late)
 
 
 def _ddp_buckets() -> tuple[dict[int, int], bool]:

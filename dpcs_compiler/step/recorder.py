@@ -454,7 +454,8 @@ class StepRecorder(Measuring, Planning):
             # FSDP2 works ahead of the block that runs: the next block's gather in its forward; in its backward,
             # the gather of the block before it and the reduce-scatter of the block after it (`fsdp_in_flight`).
             forward_extra_bytes=max((c.gathered for c in calls), default=0) if fsdp else 0,
-            call_backward_extra_bytes=fsdp_in_flight([c.block for c in calls], [c.gathered for c in calls])
+            call_backward_extra_bytes=fsdp_in_flight([c.block for c in calls], [c.gathered for c in calls],
+                                                     seen.late_collectives(p for c in calls for p in c.block))
             if fsdp else (),
         )
         if offload is not None:  # every block counted as kept on the device; `with_offloaded` counts a choice

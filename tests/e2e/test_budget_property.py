@@ -12,14 +12,15 @@ is the largest of three lengths, each planned apart), and on the graph-break net
 against every combination of its graphs' plans: none that fits the step adds less time (`_no_faster_step_fits`;
 a plan well under its budget is then one where no plan closer to it is as fast).
 
-FSDP2's prediction is not held within 2% of its step: on gloo the ranks' timing decides whether a block's
-reduce-scatter copy (and a collective's buffers gloo's worker thread drops late) is alive at a block's peak
-(docs/memory_budget.md, limits), and the prediction counts one such block. It is held within 3% above the step
-that holds that copy; it is not asserted to bound the step. Drawn at seeds 58, 1, 2 and 3 on 2026-12-06 (2cc7844,
-each budget in a job of its own, 3 budgets per seed and compiler and one below the lowest): every budget was
-kept or refused on both ranks, and one step measured 0.52 MB over its prediction (seed 3, eager, 50.1 MB
-budget: 47.78 MB measured, 47.26 MB predicted, the other rank 45.67 MB). Plans sit 0.81-0.95 of their
-budgets: a graph called for five blocks takes one plan for all five.
+FSDP2's prediction is not held within 2% of its step: on gloo the ranks' timing decides whether the
+collectives' buffers gloo's worker threads drop late (a block's reduce-scatter copy, one per thread: 2) are
+alive at a block's peak (docs/memory_budget.md, limits), and the prediction counts that many blocks. It is held
+within 3% above the step that holds them; it is not asserted to bound the step. Drawn at seeds 58, 1, 2 and 3
+on 2026-12-06 (2cc7844, one late block counted; each budget in a job of its own, 3 budgets per seed and
+compiler and one below the lowest): every budget was kept or refused on both ranks, and one step measured 0.52
+MB over its prediction (seed 3, eager, 50.1 MB budget: 47.78 MB measured, 47.26 MB predicted, the other rank
+45.67 MB); CI then measured a step two blocks over its lowest (the ranks test), so both threads' blocks are
+counted since. Plans sit 0.81-0.95 of their budgets: a graph called for five blocks takes one plan for all five.
 
 The default tier draws one budget for the first two shapes under the eager compiler; the slow tier one for the
 dynamic shape, and four per shape under both compilers (three for DDP and FSDP2). DPCS_PROPERTY_SEED sets the seed
@@ -46,7 +47,7 @@ from dpcs_testing import allowing_best_plan, budget_refusal, dpcs_compile, run_s
 
 SEED = int(os.environ.get("DPCS_PROPERTY_SEED", "58"))
 PREDICTED = 0.02  # the prediction's largest error, of the measured step peak
-FSDP_PREDICTED = 0.03  # FSDP2 on gloo: above the step that holds one block's reduce-scatter copy, at most
+FSDP_PREDICTED = 0.03  # FSDP2 on gloo: above the step that holds the late collectives' blocks, at most
 WARMUP = 4  # steps before the measured one (at each length): first plans, the step plan, a correction, steady
 
 
@@ -99,11 +100,15 @@ SHAPES = {"one_graph": _workload_step("gpt", 4), "graph_breaks": _workload_step(
 def _check_ranks(tmp_path, shape: str, compiler: str, draws: int) -> None:
     """As `_check`, for a step of two ranks: each rank job compiles the step afresh per budget, in turn."""
     scenario = f"property:{shape}:{compiler}"
-    (tmp_path / "range").mkdir()
-    zero, one = run_step_ranks(tmp_path / "range", scenario, "0,1")  # no budget; the lowest (on_infeasible="best")
-    unplanned = max(rank[0]["measured_peak"] for rank in (zero, one))
-    lowest = zero[1]["planned"]
-    assert one[1]["planned"] == lowest, (zero[1], one[1])  # one plan on every rank
+    # No budget, then the lowest (on_infeasible="best"), each in a job of its own: with the unbudgeted model alive
+    # in the job, the lowest's measured step was corrected 1 MB higher once (FSDP2, Inductor, seed 1), and a
+    # budget below the lowest other jobs reach was drawn and kept.
+    (tmp_path / "free").mkdir()
+    (tmp_path / "lowest").mkdir()
+    unplanned = max(rank[0]["measured_peak"] for rank in run_step_ranks(tmp_path / "free", scenario, "0"))
+    zero, one = run_step_ranks(tmp_path / "lowest", scenario, "1")
+    lowest = zero[0]["planned"]
+    assert one[0]["planned"] == lowest, (zero[0], one[0])  # one plan on every rank
     rng = random.Random(f"{SEED}:{shape}:{compiler}")
     budgets = sorted({rng.randint(lowest, unplanned) for _ in range(draws)}) if lowest < unplanned else []
     below = lowest - max(1, lowest // 50)
@@ -130,7 +135,7 @@ def _check_ranks(tmp_path, shape: str, compiler: str, draws: int) -> None:
             print(f"  budget {budget} B: measured {measured} B ({measured / budget:.3f}), predicted {predicted} B")
             assert measured <= budget, f"{shape}, {compiler}: {measured} B measured for a budget of {budget} B"
             if shape == "fsdp":  # (the module docstring says why)
-                held_copy = measured + rank["block_bytes"]
+                held_copy = measured + rank["late_collectives"] * rank["block_bytes"]
                 assert predicted <= (1 + FSDP_PREDICTED) * held_copy, (shape, compiler, predicted, measured)
             else:
                 assert abs(predicted - measured) <= PREDICTED * measured, (shape, compiler, predicted, measured)

@@ -37,6 +37,7 @@ from step_scenarios import LayerNormStack, global_batch  # noqa: E402
 from dpcs_compiler import clear_compile_records, compile_records  # noqa: E402
 from dpcs_compiler.measure import measure_peak_memory, resident_bytes  # noqa: E402
 from dpcs_compiler.report import predicted_step_peak, step_records  # noqa: E402
+from dpcs_compiler.step.holdings import late_collectives  # noqa: E402
 
 WARMUP_STEPS = 4  # the first runs the graphs' own plans, the second plans the step; then steady
 MEASURED_FSDP_STEPS = 4
@@ -113,6 +114,7 @@ def fsdp(rank: int, world: int, budget: int) -> dict:
     return {
         "measured_peak": max(measured),
         "measured_peaks": measured,
+        "late_collectives": late_collectives(dist.group.WORLD, "cpu"),
         "grads": [p.grad.full_tensor().detach().clone() for p in model.parameters()],
         "steps": [r.to_json() for r in step_records()],
         "plan_hashes": [r.plan_hash for r in compile_records() if r.mode == "training"],
@@ -180,8 +182,10 @@ def budgets_in_turn(rank: int, world: int, shape: str, compiler: str, budgets: l
         out.append({"budget": budget, "raised_at": None, "measured_peak": peak.absolute(baseline),
                     "predicted": None if record is None else record.compiled_peak_bytes or record.predicted_peak_bytes,
                     "planned": None if record is None else record.predicted_peak_bytes,
-                    # (FSDP2: one block's parameters gathered, the bytes of its gradients' reduce-scatter copy)
-                    "block_bytes": 4 * sum(p.numel() for p in model.blocks[0].parameters())})
+                    # (FSDP2: one block's parameters gathered, the bytes of its gradients' reduce-scatter copy;
+                    # how many collectives gloo may release late)
+                    "block_bytes": 4 * sum(p.numel() for p in model.blocks[0].parameters()),
+                    "late_collectives": late_collectives(dist.group.WORLD, "cpu")})
     return out
 
 

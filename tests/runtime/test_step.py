@@ -209,26 +209,57 @@ def test_two_steps_of_one_shape_count_per_call_the_one_that_freed_less_with_what
 
 def test_fsdp2_blocks_count_the_gather_ahead_and_the_reduce_scatter_behind_their_own_backward():
     """FSDP2 per block: beside a block's backward, the block before it is gathered ahead, the block after it
-    (whose backward just ran) is being reduce-scattered, and a block's worth of a collective's buffers may be
-    released late (gloo). The first backward (the last block) has nothing reducing, the last (the first block)
-    nothing to gather; a block taken by two calls (a graph break inside it) is one block, and a call without
-    one sits between its neighbours."""
-    from dpcs_compiler.step.calls import (FSDP_LATE_BLOCKS, FSDP_PREFETCHED_BLOCKS, FSDP_REDUCING_BLOCKS,
-                                          fsdp_in_flight)
+    (whose backward just ran) is being reduce-scattered, and a block's worth of buffers per collective released
+    late (gloo: one per worker thread). The first backward (the last block) has nothing reducing, the last (the
+    first block) nothing to gather; a block taken by two calls (a graph break inside it) is one block, and a call
+    without one sits between its neighbours."""
+    from dpcs_compiler.step.calls import FSDP_PREFETCHED_BLOCKS, FSDP_REDUCING_BLOCKS, fsdp_in_flight
 
     a, b, c = frozenset({1}), frozenset({2}), frozenset({3})
-    ahead, behind, late = FSDP_PREFETCHED_BLOCKS, FSDP_REDUCING_BLOCKS, FSDP_LATE_BLOCKS * 30  # the largest
-    assert fsdp_in_flight([a, b, c], [10, 20, 30]) == (behind * 20 + late, ahead * 10 + behind * 30 + late,
-                                                       ahead * 20 + late)
-    # b broken in two graphs: both its calls see a gathered ahead and c reducing, not b itself.
-    assert fsdp_in_flight([a, b, b, c], [10, 20, 5, 30]) == (behind * 20 + late, ahead * 10 + behind * 30 + late,
-                                                             ahead * 10 + behind * 30 + late, ahead * 20 + late)
-    assert fsdp_in_flight([a, frozenset(), c], [10, 0, 30]) == (behind * 30 + late, ahead * 10 + behind * 30 + late,
-                                                                ahead * 10 + late)
-    assert fsdp_in_flight([a], [10]) == (FSDP_LATE_BLOCKS * 10,)
-    assert fsdp_in_flight([frozenset()], [0]) == (0,)  # no FSDP2 block: nothing
+    ahead, behind = FSDP_PREFETCHED_BLOCKS, FSDP_REDUCING_BLOCKS
+    for n in (0, 1, 2):
+        late = n * 30  # the largest block, once per late collective
+        assert fsdp_in_flight([a, b, c], [10, 20, 30], n) == (behind * 20 + late, ahead * 10 + behind * 30 + late,
+                                                              ahead * 20 + late)
+        # b broken in two graphs: both its calls see a gathered ahead and c reducing, not b itself.
+        assert fsdp_in_flight([a, b, b, c], [10, 20, 5, 30], n) == (
+            behind * 20 + late, ahead * 10 + behind * 30 + late, ahead * 10 + behind * 30 + late, ahead * 20 + late)
+        assert fsdp_in_flight([a, frozenset(), c], [10, 0, 30], n) == (
+            behind * 30 + late, ahead * 10 + behind * 30 + late, ahead * 10 + late)
+        assert fsdp_in_flight([a], [10], n) == (n * 10,)
+        assert fsdp_in_flight([frozenset()], [0], n) == (0,)  # no FSDP2 block: nothing
+    assert fsdp_in_flight([a], [10]) == (10,)  # one late collective unless told
     with pytest.raises(ValueError, match="one per call"):
         fsdp_in_flight([a, b], [10])
+    with pytest.raises(ValueError, match="late=-1"):
+        fsdp_in_flight([a], [10], -1)
+
+
+def test_gloo_groups_release_one_collective_late_per_worker_thread(tmp_path):
+    """Gloo's worker threads each drop the collective they ran when they next take the queue's lock: as many
+    late as the group's `threads` option (2 by default); a group without a backend for the device, or another
+    backend, one."""
+    import torch.distributed as dist
+
+    from dpcs_compiler.step.holdings import late_collectives
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    for threads in (None, 1, 3):
+        options = dist.ProcessGroupGloo._Options()  # torch's defaults (`new_group(backend="gloo")` makes these)
+        options._devices = [dist.ProcessGroupGloo.create_default_device()]
+        if threads is not None:
+            options._threads = threads
+        group = dist.ProcessGroupGloo(dist.PrefixStore(str(threads), store), 0, 1, options)
+        wrapped = dist.ProcessGroup(store, 0, 1)
+        wrapped._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, group)
+        assert late_collectives(wrapped, "cpu") == (threads or 2)
+        assert late_collectives(wrapped, "meta") == 1  # no backend for that device
+
+    class Other:
+        def _get_backend(self, device):
+            return object()
+
+    assert late_collectives(Other(), "cpu") == 1
 
 
 def test_a_step_counts_the_shards_of_the_fsdp2_models_its_graphs_take_not_every_one_alive():
@@ -242,6 +273,11 @@ def test_a_step_counts_the_shards_of_the_fsdp2_models_its_graphs_take_not_every_
     assert fsdp.of([1]) == (20, 4) and fsdp.of([1, 2]) == (20, 4)  # a model counts once, all its shards
     assert fsdp.of([2, 3]) == (60, 12)
     assert fsdp.of([]) == (0, 0) and fsdp.of([7]) == (0, 0)  # no FSDP2 parameter taken: none of theirs
+    # Late collectives: the most of the models taken (a model on a 3-thread gloo group and one on the default).
+    fsdp = dataclasses.replace(fsdp, late={100: 2, 200: 3})
+    assert fsdp.late_collectives([1]) == 2 and fsdp.late_collectives([1, 3]) == 3
+    assert fsdp.late_collectives([]) == 1 and fsdp.late_collectives([7]) == 1  # none taken: one, as any backend
+
 
 def compiled_variants_standing_in(monkeypatch):
     """The step model read through stand-ins: a compiled variant's (problem, decisions) is its predicted levels
