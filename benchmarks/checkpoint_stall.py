@@ -5,9 +5,11 @@ against the training step, on the bench's small GPT with AdamW (single process).
 
 Per round, interleaved: `--steps` plain training steps (timed), then one step followed by a synchronous save
 (the save timed: the step stalls for all of it), then one step followed by an asynchronous save (timed until
-`save` returns: the tensors copied out), `--steps` steps while its files are written in the background (timed:
-they share the CPU with the writer), and its commit (`checkpoint.wait()`: what is left of the writing, the
-manifest and the rename). Medians over the rounds after a warm-up round; stalls reported as multiples of the
+`save` returns: the tensors copied out into the host copies kept from the last asynchronous save), `--steps`
+steps while its files are written in the background (timed: they share the CPU with the writer), its commit
+(`checkpoint.wait()`: what is left of the writing, the manifest and the rename), and one step followed by an
+asynchronous save whose host copies are made afresh (`checkpoint.release_staging()` first, untimed: as every
+save staged before they were kept), committed untimed. Medians over the rounds after a warm-up round; stalls reported as multiples of the
 step time. On CUDA every timed region ends with `torch.cuda.synchronize()`, so a step's time is its kernels'
 and an asynchronous save's stall includes the copy to pinned host memory it started.
 Writes checkpoint_stall_<device>.json and .png under --out.
@@ -53,7 +55,7 @@ def measure(rounds: int, steps: int, directory: Path, device: torch.device) -> d
         return time.perf_counter() - start
 
     times: dict[str, list[float]] = {"step": [], "sync_save": [], "async_save": [], "step_while_writing": [],
-                                     "async_commit": []}
+                                     "async_commit": [], "async_save_fresh_copies": []}
     saved = 0
     for round_ in range(rounds + 1):  # the first is a warm-up
         step_times = [timed(step) for _ in range(steps)]
@@ -66,6 +68,12 @@ def measure(rounds: int, steps: int, directory: Path, device: torch.device) -> d
                                                      asynchronous=True))
         during = [timed(step) for _ in range(steps)]
         commit = timed(checkpoint.wait)
+        step()
+        saved += 1
+        checkpoint.release_staging()
+        fresh = timed(lambda: checkpoint.save(directory, saved, model=model, optimizer=optimizer, keep=2,
+                                              asynchronous=True))
+        checkpoint.wait()
         if round_ == 0:
             continue
         times["step"].extend(step_times)
@@ -73,6 +81,7 @@ def measure(rounds: int, steps: int, directory: Path, device: torch.device) -> d
         times["sync_save"].append(sync)
         times["async_save"].append(asynchronous)
         times["async_commit"].append(commit)
+        times["async_save_fresh_copies"].append(fresh)
     medians = {k: statistics.median(v) for k, v in times.items()}
     checkpoint_bytes = sum(p.stat().st_size for p in checkpoint.latest(directory).rglob("*") if p.is_file())
     return {
@@ -80,7 +89,9 @@ def measure(rounds: int, steps: int, directory: Path, device: torch.device) -> d
         "checkpoint_bytes": checkpoint_bytes,
         "seconds": times,
         "median_seconds": medians,
-        "stall_in_steps": {k: medians[k] / medians["step"] for k in ("sync_save", "async_save", "async_commit")},
+        "stall_in_steps": {k: medians[k] / medians["step"]
+                           for k in ("sync_save", "async_save", "async_commit", "async_save_fresh_copies")},
+        "async_save_over_fresh_copies": medians["async_save"] / medians["async_save_fresh_copies"],
         "step_while_writing_ratio": medians["step_while_writing"] / medians["step"],
     }
 
@@ -92,9 +103,9 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     medians = results["median_seconds"]
-    names = ["step", "sync_save", "async_save", "step_while_writing", "async_commit"]
+    names = ["step", "sync_save", "async_save_fresh_copies", "async_save", "step_while_writing", "async_commit"]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.bar(names, [medians[n] * 1e3 for n in names], color=["gray", "tab:red", "tab:green", "tab:olive", "tab:blue"])
+    ax.bar(names, [medians[n] * 1e3 for n in names], color=["gray", "tab:red", "tab:cyan", "tab:green", "tab:olive", "tab:blue"])
     ax.tick_params(axis="x", labelsize=8)
     for i, n in enumerate(names):
         ax.annotate(f"{medians[n] * 1e3:.1f} ms", (i, medians[n] * 1e3), ha="center", fontsize=8,
@@ -126,7 +137,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"small GPT, {results['parameters'] / 1e6:.2f}M parameters, checkpoint "
           f"{results['checkpoint_bytes'] / 2**20:.1f} MiB, {device}: step {medians['step'] * 1e3:.1f} ms; "
           f"synchronous save {medians['sync_save'] * 1e3:.1f} ms ({stall['sync_save']:.2f} steps); asynchronous "
-          f"save returns in {medians['async_save'] * 1e3:.1f} ms ({stall['async_save']:.2f} steps), steps while it "
+          f"save returns in {medians['async_save'] * 1e3:.1f} ms ({stall['async_save']:.2f} steps; "
+          f"{results['async_save_over_fresh_copies']:.2f}x one making its host copies afresh, "
+          f"{medians['async_save_fresh_copies'] * 1e3:.1f} ms), steps while it "
           f"writes {results['step_while_writing_ratio']:.2f}x, its commit {medians['async_commit'] * 1e3:.1f} ms "
           f"({stall['async_commit']:.2f} steps)")
     args.out.mkdir(parents=True, exist_ok=True)

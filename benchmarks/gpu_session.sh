@@ -71,7 +71,7 @@ PARALLEL_TIMED=${PARALLEL_TIMED:-0}
 pids=()
 wants tests && { step tests_cuda 180 "${G[@]}" "${L[@]}" $PY -m pytest -q -p no:cacheprovider -rs tests/ops/test_overflow.py \
     tests/ops/test_offload_ops.py tests/passes/rewrite/test_offload.py tests/ops/test_fp8.py tests/test_measure.py \
-    tests/cost/test_allocator.py tests/cost/test_budget.py & pids+=($!); }
+    tests/cost/test_allocator.py tests/cost/test_budget.py tests/test_checkpoint.py & pids+=($!); }
 wants peak && { step peak_prediction 180 "${G[@]}" $PY benchmarks/peak_prediction.py --device cuda --out "$W/results" & pids+=($!); }
 wants train && { step train_gpt 180 "${G[@]}" $PY examples/train_gpt.py --device cuda --steps 12 \
     --telemetry "$W/results/train_gpt_telemetry.jsonl" & pids+=($!); }

@@ -94,21 +94,80 @@ def _on_cuda(tensors: Any) -> bool:
     return any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in pytree.tree_leaves(tensors))
 
 
-def _stager_for(tensors: Any) -> Any:
-    """How an asynchronous save copies the tensors out: from CUDA, into pinned host buffers with non-blocking
-    copies (the step stalls for the device-to-host copy only); host tensors: None, DCP's own copy.
+class _Staging:
+    """How an asynchronous save copies its tensors out (DCP's `AsyncStager` protocol): into host buffers kept
+    from save to save, pinned for CUDA tensors, whose non-blocking copies are waited for before `stage`
+    returns (the loop stalls for the copy only). The buffers are made again only when the state's layout
+    changes (its keys, or a tensor's shape, dtype, stride or device); values that are not tensors (a learning
+    rate, a step count) are taken afresh at every save. A save starts after the one before it is written
+    (`save` commits it first), so no buffer is overwritten while it is read. The host holds one copy of the
+    saved tensors between asynchronous saves: `release_staging()` frees it.
 
-    A new stager for every save. A DCP stager that has been closed fails its next staging with
-    `KeyError: <class 'type'>`, and torch 2.11's `DefaultStager` closes its copier after a stage (inferred: a
-    stager kept from save to save failed an asynchronous save so on an H200, also with its `close` a no-op).
-    The pinned buffers are therefore not reused between saves; `save` closes each stager once its files are
-    written."""
-    if not _on_cuda(tensors):
-        return None
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    Not DCP's `DefaultStager` kept instead: once closed it fails its next staging, and torch 2.11's closes its
+    copier after every stage (`tests/test_checkpoint.py::test_a_closed_dcp_stager_cannot_stage_again`); one
+    stager per save allocated (and pinned) every copy again at every save."""
 
-    return DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False, use_async_staging=False,
-                                        use_non_blocking_copy=True))
+    _synchronize_after_execute = False  # `stage` returns the copies made
+
+    def __init__(self) -> None:
+        self._layout: Any = None
+        self._buffers: dict[str, Any] | None = None
+        self.allocations = 0  # how many times the buffers were made
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+        cuda = _on_cuda(state_dict)
+        layout = _layout(state_dict)
+        if layout != self._layout or self._buffers is None:
+            self._layout = self._buffers = None  # the old copies go before the new ones are made
+            self._buffers = _create_cpu_state_dict(state_dict, pin_memory=cuda)
+            self._layout = layout
+            self.allocations += 1
+        staged = _copy_state_dict(state_dict, self._buffers, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize()
+        return staged
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: `stage` returned its copies made."""
+
+    def close(self) -> None:
+        """Kept for the next save (`release_staging` frees the buffers)."""
+
+    def release(self) -> None:
+        self._layout = self._buffers = None
+
+
+def _layout(state_dict: dict[str, Any]) -> Any:
+    """What a state dict's host copies depend on: its structure, and each tensor's type, shape, dtype, stride
+    and device (a DTensor's local shard's too)."""
+    import torch.utils._pytree as pytree
+
+    leaves, spec = pytree.tree_flatten(state_dict)
+
+    def of(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return type(leaf)
+        local = leaf.to_local() if hasattr(leaf, "to_local") else leaf
+        return (type(leaf), tuple(leaf.shape), leaf.dtype, tuple(local.shape), tuple(local.stride()),
+                local.device.type)
+
+    return spec, tuple(of(leaf) for leaf in leaves)
+
+
+_STAGING = _Staging()
+
+
+def release_staging() -> None:
+    """Free the host copies asynchronous saves keep for the next one (after committing the save under way);
+    the next asynchronous save makes them again."""
+    wait()
+    _STAGING.release()
 
 
 def wait() -> Path | None:
@@ -204,18 +263,10 @@ def save(directory: str | os.PathLike, step: int, *, model: torch.nn.Module | No
     _on_rank_zero(prepare, "checkpoint directory")
     tensors = _state(model, optimizer)
     if asynchronous and tensors:
-        stager = _stager_for(tensors)
-        try:
-            with _single_process_quiet():
-                response = dcp.async_save(tensors, checkpoint_id=str(partial), process_group=_async_group(),
-                                          no_dist=rank_agreement.world() is None, async_stager=stager)
-        except BaseException:
-            if stager is not None:
-                stager.close()
-            raise
+        with _single_process_quiet():
+            response = dcp.async_save(tensors, checkpoint_id=str(partial), process_group=_async_group(),
+                                      no_dist=rank_agreement.world() is None, async_stager=_STAGING)
         future = getattr(response, "upload_completion", response)
-        if stager is not None:  # its pinned copies are released once written (closing twice is harmless)
-            future.add_done_callback(lambda _: stager.close())
         if (rank_agreement.world() or (0, 1))[0] == 0:  # the files hashed as soon as written, off this thread
             future.add_done_callback(lambda _: digest())
         else:

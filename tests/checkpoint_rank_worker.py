@@ -7,7 +7,8 @@ MODE "save": 3 steps, a checkpoint of step 3 (with extra={"batch": 3}), 2 more s
 checkpoint saved asynchronously, committed after the last step). MODE "resume": resume
 from the newest checkpoint, then the steps after it. MODE "run" (the kill trials): resume if there is a
 checkpoint, then up to RUN_STEPS steps with a checkpoint after each (keep 2), on batches fixed by step and
-rank; rank 0 touches READY_FILE (a 7th argument) when its loop starts. The result holds the step resumed,
+rank ("run-async": each saved asynchronously, committed at the next save or the end); rank 0 touches
+READY_FILE (a 7th argument) when its loop starts. The result holds the step resumed,
 the extra values and the full parameters at the end.
 """
 
@@ -50,7 +51,7 @@ def main() -> None:
     start = 0
     if mode == "resume":
         start = checkpoint.resume(directory, model=model, optimizer=optimizer, extra=extra)
-    if mode == "run":
+    if mode in ("run", "run-async"):
         start = checkpoint.resume(directory, model=model, optimizer=optimizer, extra=extra) or 0
         if ready is not None and rank == 0:
             Path(ready).touch()
@@ -60,8 +61,8 @@ def main() -> None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             checkpoint.save(directory, step + 1, model=model, optimizer=optimizer, extra={"batch": step + 1},
-                            keep=2)
-    for step, x in enumerate(batches(rank)[start:] if mode != "run" else [], start=start):
+                            keep=2, asynchronous=mode == "run-async")
+    for step, x in enumerate(batches(rank)[start:] if not mode.startswith("run") else [], start=start):
         model(x).square().mean().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -254,30 +253,110 @@ def test_an_asynchronous_save_holds_the_state_of_its_step_while_training_goes_on
     assert checkpoint.latest(tmp_path) == tmp_path / "step_000000008"
 
 
-def test_asynchronous_saves_of_cuda_tensors_stage_through_a_pinned_stager_of_their_own(monkeypatch):
-    """The choice only (no GPU here, and DCP's stager refuses non-blocking copies without one): host tensors
-    take DCP's own copy; CUDA ones a pinned, non-blocking stager, a new one for every save."""
-    import torch.distributed.checkpoint.staging as staging
+def test_asynchronous_saves_copy_into_host_buffers_kept_from_save_to_save(tmp_path):
+    """The host copies are made once and reused while the state keeps its layout: each checkpoint still holds
+    its own step's tensors (training goes on while the first is written) and values that are not tensors (a
+    learning rate changed between saves) as they were at its save. Another layout makes new copies;
+    `release_staging` frees them."""
+    checkpoint.release_staging()
+    staging = checkpoint._STAGING
+    batches = data(4)
+    model = net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, optimizer, batches[:1])
+    made = staging.allocations
+    checkpoint.save(tmp_path / "first", 1, model=model, optimizer=optimizer, asynchronous=True)
+    buffers = [t.data_ptr() for t in staging._buffers["model"].values()]
+    first = [p.detach().clone() for p in model.parameters()]
+    train(model, optimizer, batches[1:3])  # in place, while the first is written
+    for group in optimizer.param_groups:
+        group["lr"] = 5e-3
+    checkpoint.save(tmp_path / "second", 3, model=model, optimizer=optimizer, asynchronous=True)
+    assert staging.allocations == made + 1, "the second save reused the first one's host copies"
+    assert [t.data_ptr() for t in staging._buffers["model"].values()] == buffers
+    second = [p.detach().clone() for p in model.parameters()]
+    train(model, optimizer, batches[3:])
+    checkpoint.wait()
+    for directory, step, expected, lr in (("first", 1, first, 1e-2), ("second", 3, second, 5e-3)):
+        restored = net()
+        restored_optimizer = torch.optim.AdamW(restored.parameters(), lr=1.0)
+        assert checkpoint.resume(tmp_path / directory, model=restored, optimizer=restored_optimizer) == step
+        for a, b in zip(expected, restored.parameters()):
+            assert torch.equal(a, b)
+        assert restored_optimizer.param_groups[0]["lr"] == lr
+    # Another model: its own copies; released: made again at the next save.
+    checkpoint.save(tmp_path, 5, model=torch.nn.Linear(3, 2), asynchronous=True)
+    checkpoint.wait()
+    assert staging.allocations == made + 2
+    checkpoint.release_staging()
+    assert staging._buffers is None
+    checkpoint.save(tmp_path, 6, model=torch.nn.Linear(3, 2), asynchronous=True)
+    checkpoint.wait()
+    assert staging.allocations == made + 3
+    checkpoint.release_staging()
 
-    made = []
 
-    class Recorded:
-        def __init__(self, config):
-            made.append(config)
+def test_cuda_tensors_stage_into_pinned_copies_waited_for_before_the_save_returns(monkeypatch):
+    """The choice only (no GPU here): CUDA tensors are copied into pinned host buffers, non-blocking, and the
+    copies are waited for before `stage` returns; host tensors into plain buffers, blocking, with no wait."""
+    import torch.distributed._state_dict_utils as utils
 
-    assert checkpoint._stager_for({"w": torch.zeros(2)}) is None
-    monkeypatch.setattr(staging, "DefaultStager", Recorded)
-    monkeypatch.setattr(checkpoint, "_on_cuda", lambda tensors: True)
-    first, second = checkpoint._stager_for({"w": torch.zeros(2)}), checkpoint._stager_for({"w": torch.zeros(2)})
-    assert isinstance(first, Recorded) and isinstance(second, Recorded) and first is not second
-    for options in made:
-        assert options.use_pinned_memory and options.use_non_blocking_copy and not options.use_shared_memory
+    calls = []
+    create, copy = utils._create_cpu_state_dict, utils._copy_state_dict
+    monkeypatch.setattr(utils, "_create_cpu_state_dict",
+                        lambda sd, pin_memory=False, share_memory=False: calls.append(("pin", pin_memory)) or create(sd))
+    monkeypatch.setattr(utils, "_copy_state_dict",
+                        lambda sd, to, non_blocking=False, type_check=True: calls.append(("non_blocking", non_blocking))
+                        or copy(sd, to))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append(("synchronize", True)))
+    for cuda in (False, True):
+        monkeypatch.setattr(checkpoint, "_on_cuda", lambda tensors, cuda=cuda: cuda)
+        calls.clear()
+        staging = checkpoint._Staging()
+        staged = staging.stage({"w": torch.arange(3.0)})
+        assert torch.equal(staged["w"], torch.arange(3.0)) and not staging.should_synchronize_after_execute
+        assert calls == ([("pin", True), ("non_blocking", True), ("synchronize", True)] if cuda
+                         else [("pin", False), ("non_blocking", False)])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_asynchronous_saves_from_cuda_reuse_pinned_copies_and_hold_their_step(tmp_path):
+    """On a GPU (`benchmarks/gpu_session.sh`, tests step): the host copies are pinned and kept from save to
+    save, and each checkpoint holds the parameters of its step although training goes on at once."""
+    checkpoint.release_staging()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    expected = []
+    for step in (1, 2):
+        model(torch.randn(8, 64, device="cuda")).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        checkpoint.save(tmp_path / str(step), step, model=model, optimizer=optimizer, asynchronous=True)
+        expected.append([p.detach().cpu().clone() for p in model.parameters()])
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)  # at once: the save's copies were made before it returned
+        copies = checkpoint._STAGING._buffers["model"]
+        assert all(t.is_pinned() for t in copies.values())
+        if step == 1:
+            pointers = [t.data_ptr() for t in copies.values()]
+    assert [t.data_ptr() for t in checkpoint._STAGING._buffers["model"].values()] == pointers
+    checkpoint.wait()
+    for step, want in zip((1, 2), expected):
+        restored = torch.nn.Linear(64, 64).cuda()
+        assert checkpoint.resume(tmp_path / str(step), model=restored) == step
+        for a, b in zip(want, restored.parameters()):
+            assert torch.equal(a, b.detach().cpu())
+    checkpoint.release_staging()
 
 
 def test_a_closed_dcp_stager_cannot_stage_again():
-    """Why every save gets a stager of its own: once closed (torch 2.11's DefaultStager closes its copier
-    after every stage), a DCP stager fails the next staging of a state dict like ours. The exception is the
-    one an H200 with torch 2.11 raised from the second asynchronous save of a kept stager."""
+    """Why asynchronous saves stage through dpcs's own stager, not a kept DCP one: once closed (torch 2.11's
+    DefaultStager closes its copier after every stage), a DCP stager fails the next staging of a state dict like
+    ours. The exception is the one an H200 with torch 2.11 raised from the second asynchronous save of a kept
+    stager."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     options = StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
@@ -291,34 +370,3 @@ def test_a_closed_dcp_stager_cannot_stage_again():
         stager.stage(state)
 
 
-def test_an_asynchronous_saves_own_stager_is_closed_once_its_files_are_written(tmp_path, monkeypatch):
-    """The stager of a CUDA save holds its pinned copies until closed: closed when the upload completes. A host
-    stager stands in for the pinned one here (no GPU in CI)."""
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-    closed = []
-
-    class Recorded(DefaultStager):
-        def close(self):
-            closed.append(self)
-            super().close()
-
-    made = []
-
-    def stager_for(tensors):
-        made.append(Recorded(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                            use_async_staging=False, use_non_blocking_copy=False)))
-        return made[-1]
-
-    monkeypatch.setattr(checkpoint, "_stager_for", stager_for)
-    model = torch.nn.Linear(4, 3)
-    for step in (1, 2):
-        checkpoint.save(tmp_path, step, model=model, asynchronous=True)
-        checkpoint.wait()
-    deadline = time.monotonic() + 30  # closed by the upload future's callback, which may run just after wait()
-    while len(closed) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert len(made) == 2 and made[0] is not made[1] and closed == made
-    restored = torch.nn.Linear(4, 3)
-    assert checkpoint.resume(tmp_path, model=restored) == 2
-    torch.testing.assert_close(restored.weight, model.weight)

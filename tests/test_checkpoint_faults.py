@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from dpcs_compiler import checkpoint
@@ -27,9 +28,9 @@ TRIALS = int(os.environ.get("DPCS_FAULT_TRIALS", "4"))
 ENV = os.environ | {"OMP_NUM_THREADS": "1"}
 
 
-def commands(tmp: Path, name: str, directory: Path, ready: Path | None = None) -> list[list[str]]:
+def commands(tmp: Path, name: str, directory: Path, ready: Path | None = None, mode: str = "run") -> list[list[str]]:
     return [[sys.executable, str(WORKER), str(rank), "2", str(tmp / f"{name}.store"), str(directory),
-             str(tmp / f"{name}{rank}.pt"), "run", *([str(ready)] if ready else [])] for rank in range(2)]
+             str(tmp / f"{name}{rank}.pt"), mode, *([str(ready)] if ready else [])] for rank in range(2)]
 
 
 AFTER = (0, 3, 1, 5, 2, 6, 4, 1)  # committed checkpoints before each trial's kill
@@ -43,7 +44,7 @@ def committed(directory: Path) -> int:
 
 
 def killed_at(tmp: Path, name: str, directory: Path, delay: float, victims: tuple[int, ...] = (0, 1),
-              after: int = 0) -> tuple[bool, float]:
+              after: int = 0, mode: str = "run") -> tuple[bool, float]:
     """Start both ranks, and SIGKILL the `victims` `delay` seconds after rank 0's loop starts, or after the
     checkpoint of step `after` is committed (both: the job dies, as on a lost node; one: the other must fail
     on its own within SURVIVOR_S). Returns whether a rank was killed (not finished first), and the seconds
@@ -51,7 +52,7 @@ def killed_at(tmp: Path, name: str, directory: Path, delay: float, victims: tupl
     ready = tmp / f"{name}.ready"
     logs = [open(tmp / f"{name}{rank}.log", "w") for rank in range(2)]
     processes = [subprocess.Popen(c, env=ENV, stdout=log, stderr=subprocess.STDOUT)
-                 for c, log in zip(commands(tmp, name, directory, ready), logs)]
+                 for c, log in zip(commands(tmp, name, directory, ready, mode), logs)]
     try:
         deadline = time.monotonic() + 120
         while not ready.exists() and all(p.poll() is None for p in processes):
@@ -88,10 +89,13 @@ def killed_at(tmp: Path, name: str, directory: Path, delay: float, victims: tupl
     return any(killed), time.monotonic() - started
 
 
-def test_a_job_killed_while_saving_resumes_and_ends_as_one_never_killed(tmp_path):
+@pytest.mark.parametrize("mode", ["run", pytest.param("run-async", marks=pytest.mark.slow)], ids=["sync", "async"])
+def test_a_job_killed_while_saving_resumes_and_ends_as_one_never_killed(tmp_path, mode):
+    """Synchronous saves, and (slow tier) asynchronous ones: killed while its tensors are staged or its files
+    written in the background, a save is not committed; the one before it, committed, is resumed from."""
     assert TRIALS >= 4, f"DPCS_FAULT_TRIALS={TRIALS}: at least 4 trials (both ranks and one rank killed, twice each)"
     # The uninterrupted run, timed from its loop's start (its steps and saves) to its end.
-    interrupted, loop = killed_at(tmp_path, "ref", tmp_path / "reference", 600.0)
+    interrupted, loop = killed_at(tmp_path, "ref", tmp_path / "reference", 600.0, mode=mode)
     assert not interrupted
     expected = torch.load(tmp_path / "ref0.pt")["parameters"]
     rng = random.Random(0)
@@ -104,11 +108,11 @@ def test_a_job_killed_while_saving_resumes_and_ends_as_one_never_killed(tmp_path
         victims = (0, 1) if trial % 2 == 0 else (trial // 2 % 2,)  # both, rank 0 alone, both, rank 1 alone, ...
         after = AFTER[trial % len(AFTER)]
         killed += killed_at(tmp_path, f"t{trial}k", directory, rng.uniform(0.0, loop / RUN_STEPS), victims,
-                            after=after)[0]
+                            after=after, mode=mode)[0]
         in_save += any(directory.glob(".step_*.partial"))  # killed between a save's start and its commit
         newest = checkpoint.latest(directory)
         assert not list(directory.glob("step_*")) or newest is not None, "a committed checkpoint always checks"
-        run_rank_processes(commands(tmp_path, f"t{trial}end", directory), [ENV] * 2)
+        run_rank_processes(commands(tmp_path, f"t{trial}end", directory, mode=mode), [ENV] * 2)
         results = [torch.load(tmp_path / f"t{trial}end{rank}.pt") for rank in range(2)]
         want = 0 if newest is None else int(newest.name.removeprefix("step_"))
         assert all(r["start"] == want for r in results), (trial, want, [r["start"] for r in results])
@@ -116,7 +120,7 @@ def test_a_job_killed_while_saving_resumes_and_ends_as_one_never_killed(tmp_path
         resumed_from += want > 0
         for a, b in zip(expected, results[0]["parameters"]):
             assert torch.equal(a, b), trial
-    print(f"{TRIALS} trials (loop {loop:.2f} s; half kill both ranks, half one): {killed} killed before their end, {in_save} of them inside a save "
+    print(f"{mode}: {TRIALS} trials (loop {loop:.2f} s; half kill both ranks, half one): {killed} killed before their end, {in_save} of them inside a save "
           f"(a partial checkpoint left), {resumed_from} resumed from a checkpoint, every final model equal to the "
           "uninterrupted run's")
     assert killed >= TRIALS * 3 // 4 and in_save >= TRIALS // 4 and resumed_from >= TRIALS // 2

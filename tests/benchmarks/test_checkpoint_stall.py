@@ -16,6 +16,8 @@ def test_one_round_writes_results(tmp_path):
     module.main(["--rounds", "1", "--steps", "1", "--out", str(tmp_path)])
     results = json.loads((tmp_path / "checkpoint_stall_cpu.json").read_text())
     assert (tmp_path / "checkpoint_stall_cpu.png").stat().st_size > 0
-    assert set(results["median_seconds"]) == {"step", "sync_save", "async_save", "step_while_writing", "async_commit"}
+    assert set(results["median_seconds"]) == {"step", "sync_save", "async_save", "step_while_writing", "async_commit",
+                                              "async_save_fresh_copies"}
+    assert results["async_save_over_fresh_copies"] > 0
     assert all(v > 0 for v in results["median_seconds"].values())
     assert results["checkpoint_bytes"] > 3 * 4 * results["parameters"], "parameters and AdamW's two moments"
