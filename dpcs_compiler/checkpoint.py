@@ -88,10 +88,9 @@ _PENDING: list[PendingSave] = []  # the asynchronous save under way, at most one
 _ASYNC_GROUP: list[Any] = []  # the gloo group DCP's background saves use (not the training's collectives')
 
 
-def _on_cuda(tensors: Any) -> bool:
-    import torch.utils._pytree as pytree
-
-    return any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in pytree.tree_leaves(tensors))
+def _on_cuda(layout: Any) -> bool:
+    """Whether a state dict of this layout (`_layout`) holds CUDA tensors."""
+    return any(isinstance(leaf, tuple) and leaf[-1] == "cuda" for leaf in layout[1])
 
 
 class _Staging:
@@ -116,13 +115,13 @@ class _Staging:
 
     @property
     def should_synchronize_after_execute(self) -> bool:
-        return False
+        return self._synchronize_after_execute
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
-        cuda = _on_cuda(state_dict)
         layout = _layout(state_dict)
+        cuda = _on_cuda(layout)
         if layout != self._layout or self._buffers is None:
             self._layout = self._buffers = None  # the old copies go before the new ones are made
             self._buffers = _create_cpu_state_dict(state_dict, pin_memory=cuda)
@@ -164,8 +163,8 @@ _STAGING = _Staging()
 
 
 def release_staging() -> None:
-    """Free the host copies asynchronous saves keep for the next one (after committing the save under way);
-    the next asynchronous save makes them again."""
+    """Free the host copies asynchronous saves keep for the next one, after committing the save under way (so
+    every rank calls it, as `wait`); the next asynchronous save makes them again."""
     wait()
     _STAGING.release()
 

@@ -310,7 +310,7 @@ def test_cuda_tensors_stage_into_pinned_copies_waited_for_before_the_save_return
                         or copy(sd, to))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append(("synchronize", True)))
     for cuda in (False, True):
-        monkeypatch.setattr(checkpoint, "_on_cuda", lambda tensors, cuda=cuda: cuda)
+        monkeypatch.setattr(checkpoint, "_on_cuda", lambda layout, cuda=cuda: cuda)
         calls.clear()
         staging = checkpoint._Staging()
         staged = staging.stage({"w": torch.arange(3.0)})
