@@ -46,6 +46,17 @@ from dpcs_compiler.ops.offload_ops import _side_stream, copy_to_host_async
 INSTANCES: weakref.WeakSet[ParameterOffload] = weakref.WeakSet()
 
 
+def _weakly(method: Any) -> Any:
+    """`method` called through a weak reference to its object (a no-op once the object is gone)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        bound = ref()
+        return None if bound is None else bound(*args)
+
+    return call
+
+
 class ParameterOffload:
     """Keeps the parameters of `modules` in host memory between uses; see the module docstring.
 
@@ -98,7 +109,9 @@ class ParameterOffload:
             self.host[id(param)] = host
             if param.requires_grad:  # frozen ones have no gradient, and are let go at the end of the backward
                 self.host_grad[id(param)] = torch.empty_like(host, pin_memory=param.is_cuda)
-                self._handles.append(param.register_post_accumulate_grad_hook(self._gradient_ready))
+                # Held weakly: a tensor's hooks are outside the garbage collector's reach when C++ also holds the
+                # tensor, so a strong one would keep this offload (and its host memory) alive for good.
+                self._handles.append(param.register_post_accumulate_grad_hook(_weakly(self._gradient_ready)))
         for module in modules:
             self._handles.append(module.register_forward_pre_hook(self._before_forward))
             self._handles.append(module.register_forward_hook(self._after_forward))
@@ -114,7 +127,11 @@ class ParameterOffload:
         torch._dynamo.reset()
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-        self._handles.append(register_optimizer_step_pre_hook(self._refuse_unaware_optimizers))
+        # A global hook: it holds this offload weakly (an offload nobody closed still goes with its model), and
+        # goes with it.
+        handle = register_optimizer_step_pre_hook(_weakly(self._refuse_unaware_optimizers))
+        self._handles.append(handle)
+        weakref.finalize(self, handle.remove)
         INSTANCES.add(self)
 
     # ---- what the optimizer sees

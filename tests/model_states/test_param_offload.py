@@ -248,3 +248,19 @@ def test_gathered_parameters_can_be_read_and_written_between_steps():
     assert block.untyped_storage().nbytes() == 0
     torch.testing.assert_close(offload.host_param(block), 0.5 * twin.blocks[1].linear.weight.detach(), rtol=0, atol=0)
     torch.testing.assert_close(net.state_dict()["blocks.1.linear.weight"], offload.host_param(block), rtol=0, atol=0)
+
+
+def test_an_offload_nobody_closed_goes_with_its_model():
+    """Its hooks hold it weakly where the garbage collector cannot see them (a parameter's, torch's global
+    optimizer hook): once the model and optimizer go, so do the offload and its host memory."""
+    import gc
+    import weakref
+
+    net = stack()
+    offload = ParameterOffload([net.blocks[1], net.blocks[2]])
+    optimizer = CompressedOptimizer(torch.optim.AdamW(net.parameters()), states="fp32", offload=offload)
+    train(net, optimizer, 2)
+    gone = weakref.ref(offload)
+    del net, offload, optimizer
+    gc.collect()
+    assert gone() is None
