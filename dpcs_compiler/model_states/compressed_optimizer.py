@@ -8,6 +8,14 @@ the next chunk is decoded, so at most one chunk's state is in full precision at 
 in `fp32` and `on_host=False` this is the wrapped optimizer, bit for bit (it steps the same parameters with
 the same kernels, a chunk at a time).
 
+With `offload=` and `overlap=True`, `step()` steps the parameters on the device at once and those of the
+offloaded modules on one background thread, the modules in the order of the last forward, so the host's
+step runs while the next forward starts (as ZeRO-Offload and torchao's `CPUOffloadOptimizer` do): each
+offloaded module's forward waits for its own parameters' step only. The background step uses the
+hyperparameters as they were at `step()` (a scheduler may change them right after); whatever reads or
+writes the optimizer's state or the offloaded parameters (`state_dict`, the model's `state_dict`,
+`gathered()`, the next `step()`) waits for it first, and an error in it is raised there.
+
 State dict format (`format_version` 1): the wrapped optimizer's own, where each stored state is a dict
 `{"format": "int8" | "fp16" | "bf16" | "fp32", "block_size": int, "signed": bool, "codes": Tensor,
 "scales": Tensor}` (no `"scales"` for `bf16`/`fp32`): `codes` has the parameter's shape and the format's
@@ -24,10 +32,12 @@ import functools
 import math
 import time
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Iterable, Mapping, Set
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from dpcs_compiler.cost.model_state import OptimizerStateShape, StateLever, StateRates
 from dpcs_compiler.model_states.param_offload import ParameterOffload
@@ -100,12 +110,14 @@ class CompressedOptimizer(torch.optim.Optimizer):
     chunk_bytes: full-precision state bytes decoded at a time inside `step()`.
     offload: the `ParameterOffload` whose parameters this optimizer steps on the host, with their host
         gradients (consumed by the step, as if `zero_grad()` followed) and host optimizer state.
+    overlap: with `offload`, step the offloaded parameters on a background thread, overlapped with the next
+        forward (see the module docstring); `wait()` waits for it.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, states: str | Mapping[str, str] = "int8",
                  block_size: int = 256, warmup_steps: int = 0, min_elements: int = 4096,
                  on_host: bool = False, chunk_bytes: int = 64 << 20,
-                 offload: ParameterOffload | None = None) -> None:
+                 offload: ParameterOffload | None = None, overlap: bool = False) -> None:
         signs = STATE_SIGNS.get(type(optimizer))
         if signs is None:
             raise TypeError(f"CompressedOptimizer wraps {', '.join(supported_optimizers())}; "
@@ -134,6 +146,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"on_host must be True or False; got {on_host!r}")
         if offload is not None and not isinstance(offload, ParameterOffload):
             raise TypeError(f"offload must be a ParameterOffload; got {type(offload).__name__}")
+        if not isinstance(overlap, bool):
+            raise ValueError(f"overlap must be True or False; got {overlap!r}")
+        if overlap and offload is None:
+            raise ValueError("overlap=True overlaps the host step of offloaded parameters with the next forward; "
+                             "it needs offload=ParameterOffload([...])")
         self.inner = optimizer
         self.policy = policy
         self.signs = signs
@@ -143,6 +160,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.on_host = on_host
         self.chunk_bytes = chunk_bytes
         self.offload = offload
+        self.overlap = overlap
+        self._background: ThreadPoolExecutor | None = None
+        self._stepping: Future[None] | None = None
         if offload is not None:
             offload.optimizers.add(self)  # told when parameters move (`ParameterOffload.use`)
         self._steps: dict[torch.Tensor, int] = {}
@@ -156,7 +176,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         INSTANCES.add(self)
 
     def __repr__(self) -> str:
-        return f"CompressedOptimizer({type(self.inner).__name__}, states={self.policy}, on_host={self.on_host})"
+        return (f"CompressedOptimizer({type(self.inner).__name__}, states={self.policy}, on_host={self.on_host}"
+                + (", overlap=True)" if self.overlap else ")"))
 
     # ---- the step
 
@@ -166,16 +187,64 @@ class CompressedOptimizer(torch.optim.Optimizer):
             raise ValueError("CompressedOptimizer.step takes no closure: a closure re-evaluates the loss between "
                              "the wrapped optimizer's reads of state that is decoded a chunk at a time. Compute the "
                              "loss and backward before step().")
+        self.wait()
         if self.offload is not None:
             self.offload.settle()
         ready = [p for group in self.param_groups for p in group["params"] if self._live(p).grad is not None]
-        for chunk, part, last in self._pieces(ready):
-            if part is None:
-                self._step_chunk(chunk)
-            else:
-                self._step_rows(chunk[0], part, last)
+        later = [p for p in ready if self.offload.owns(p)] if self.overlap else []
+        self._step_pieces(self._pieces([p for p in ready if not (later and self.offload.owns(p))]), None)
+        if later:
+            self._step_later(later)
         if self.offload is not None:
-            self.offload.zero_grad()  # the host gradients are consumed
+            self.offload.zero_grad()  # the host gradients are consumed (those stepped later, by that step)
+
+    def _step_pieces(self, pieces: Iterable[tuple[list[torch.Tensor], slice | None, bool]],
+                     groups: list[dict[str, Any]] | None) -> None:
+        for chunk, part, last in pieces:
+            if part is None:
+                self._step_chunk(chunk, groups)
+            else:
+                self._step_rows(chunk[0], part, last, groups)
+            if groups is not None and last:
+                self.offload.end_step(chunk)
+
+    def _step_later(self, params: list[torch.Tensor]) -> None:
+        """Offloaded `params` stepped on the background thread, in the order the last forward used them, with
+        the hyperparameters as they are now."""
+        assert self.offload is not None
+        order = {id(p): i for i, p in enumerate(p for m in (self.offload._order or self.offload.modules)
+                                                for p in self.offload.params[m])}
+        params = sorted(params, key=lambda p: order.get(id(p), len(order)))
+        groups = [{**pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v,
+                                     {k: v for k, v in group.items() if k != "params"}),
+                   "params": list(group["params"])} for group in self.param_groups]
+        pieces = list(self._pieces(params))
+        self.offload.begin_step(params)
+        if self._background is None:
+            self._background = ThreadPoolExecutor(1, thread_name_prefix="dpcs-host-step")
+        self._stepping = self._background.submit(self._run_later, pieces, groups)
+
+    def _run_later(self, pieces: list[tuple[list[torch.Tensor], slice | None, bool]],
+                   groups: list[dict[str, Any]]) -> None:
+        assert self.offload is not None
+        try:
+            with torch.no_grad():  # grad mode is the thread's own
+                self._step_pieces(pieces, groups)
+        except BaseException as error:
+            self.offload.end_step([], error)
+            raise
+
+    def wait(self) -> None:
+        """The optimizer step running in the background (`overlap=True`), if any, finished; its error raised."""
+        if self._stepping is None:
+            return
+        stepping, self._stepping = self._stepping, None
+        try:
+            stepping.result()
+        except BaseException:
+            pass  # raised below, with what it means
+        if self.offload is not None:
+            self.offload.wait_steps()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
@@ -184,7 +253,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     def _live(self, param: torch.Tensor) -> torch.Tensor:
         """Where the parameter lives for the step: its host copy if offloaded, else itself."""
-        return self.offload.host_param(param) if self.offload is not None and self.offload.owns(param) else param
+        # (Not host_param(): that waits for this optimizer's own background step.)
+        return self.offload.host[id(param)] if self.offload is not None and self.offload.owns(param) else param
 
     def _pieces(self, params: list[torch.Tensor]) -> Iterable[tuple[list[torch.Tensor], slice | None, bool]]:
         """(parameters, None, True): whole parameters of about `chunk_bytes` of full-precision state together;
@@ -216,19 +286,19 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if chunk:
             yield chunk, None, True
 
-    def _inner_step(self, params: dict[int, torch.Tensor]) -> None:
-        """The wrapped optimizer's step on `params` only (id of a group parameter -> the tensor it steps)."""
-        everything = [group["params"] for group in self.param_groups]
-        try:
-            for group, group_params in zip(self.param_groups, everything):
-                group["params"] = [params[id(p)] for p in group_params if id(p) in params]
-            step = getattr(type(self.inner).step, "__wrapped__", None)  # without the hooks: they ran for us
-            step(self.inner) if step is not None else self.inner.step()
-        finally:
-            for group, group_params in zip(self.param_groups, everything):
-                group["params"] = group_params
+    def _inner_step(self, params: dict[int, torch.Tensor], groups: list[dict[str, Any]] | None) -> None:
+        """The wrapped optimizer's step on `params` only (id of a group parameter -> the tensor it steps), with
+        the hyperparameters of `groups` (the optimizer's own if None). A view of the wrapped optimizer steps
+        them, with its state and its own copy of the groups: the groups a scheduler (on this optimizer or the
+        wrapped one) changes are never touched, not even for the step's time, which may run in the background."""
+        view = object.__new__(type(self.inner))
+        view.__dict__.update(self.inner.__dict__)
+        view.param_groups = [{**group, "params": [params[id(p)] for p in group["params"] if id(p) in params]}
+                             for group in (self.param_groups if groups is None else groups)]
+        step = getattr(type(self.inner).step, "__wrapped__", None)  # without the hooks: they ran for us
+        step(view) if step is not None else view.step()
 
-    def _step_rows(self, param: torch.Tensor, part: slice, last: bool) -> None:
+    def _step_rows(self, param: torch.Tensor, part: slice, last: bool, groups: list[dict[str, Any]] | None) -> None:
         """The wrapped optimizer's step on rows `part` of `param`, with those rows of its state: every supported
         optimizer updates each element from its own state and the parameter's step count, so a slice at a
         time is the whole step, and only a slice of the state is decoded at a time."""
@@ -247,7 +317,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if state:
             self.state[rows] = state
         try:
-            self._inner_step({id(param): rows})
+            self._inner_step({id(param): rows}, groups)
         finally:
             state = self.state.pop(rows, {})
         for name, value in state.items():
@@ -274,14 +344,14 @@ class CompressedOptimizer(torch.optim.Optimizer):
         else:
             self._to_host(encode(value, held.format, block_size=held.block_size, signed=self.signs[name]), target)
 
-    def _step_chunk(self, chunk: list[torch.Tensor]) -> None:
+    def _step_chunk(self, chunk: list[torch.Tensor], groups: list[dict[str, Any]] | None) -> None:
         live = {id(p): self._live(p) for p in chunk}
         for param in chunk:  # an offloaded parameter's state is keyed by its host copy during the step
             if live[id(param)] is not param and param in self.state:
                 self.state[live[id(param)]] = self.state.pop(param)
             self._materialize(live[id(param)])
         try:
-            self._inner_step(live)
+            self._inner_step(live, groups)
         finally:
             for param in chunk:
                 if live[id(param)] is not param and live[id(param)] in self.state:
@@ -356,6 +426,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def end_warmup(self) -> None:
         """Store every state as the policy says now, warm-up or not (e.g. before taking a state dict template
         to load a checkpoint written after the warm-up)."""
+        self.wait()
         for group in self.param_groups:
             for param in group["params"]:
                 self._steps[param] = max(self._steps.get(param, 0), self.warmup_steps)
@@ -371,6 +442,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def use(self, lever: StateLever) -> None:
         """Keep every storable state as `lever` says, from now on: states already there are stored again at
         once (between steps), one parameter at a time."""
+        self.wait()
         if lever == self.lever():
             return
         self.policy = dict.fromkeys(self.policy, lever.format)
@@ -386,6 +458,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def relocate(self, params: Iterable[torch.Tensor]) -> None:
         """The state of `params` moved to where each now lives (`ParameterOffload.use` moved them between the
         device and the host); state the lever keeps in host memory stays there."""
+        self.wait()
         for param in params:
             state = self.state.get(param)
             if not state:
@@ -449,6 +522,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def device_state_bytes(self, offloaded: Set[int]) -> int:
         """Bytes of state on the device if the parameters whose ids are in `offloaded` lived in host memory
         (their state with them) and the others on the device, as the state is stored now."""
+        self.wait()
         device = 0
         for param, state in self.state.items():
             if id(param) in offloaded:
@@ -462,6 +536,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes of optimizer state on the parameters' devices and in host buffers."""
+        self.wait()
         device = host = 0
         for param, state in self.state.items():
             offloaded = self._live(param) is not param
@@ -477,6 +552,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
     # ---- state dicts
 
     def state_dict(self) -> dict[str, Any]:
+        self.wait()
         self._wait_for_host()
         packed = super().state_dict()
         params = [p for group in self.param_groups for p in group["params"]]
@@ -502,6 +578,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Loads this wrapper's state dicts (stored states stay as stored) and plain ones of the wrapped
         optimizer (stored as the policy says after the next step)."""
+        self.wait()
         saved_params = [i for group in state_dict["param_groups"] for i in group["params"]]
         params = [p for group in self.param_groups for p in group["params"]]
         if len(saved_params) != len(params):
@@ -531,6 +608,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Lets go of the host buffers (and their pinned memory) now, not at garbage collection."""
+        self.wait()
+        if self._background is not None:
+            self._background.shutdown()
+            self._background = None
         self._wait_for_host()
         for param in list(self.state):
             self._materialize(param)

@@ -14,7 +14,10 @@ with, but its storage is empty (`resize_(0)`) except while the module runs:
   the host (added to what is there, for accumulation), the device gradient dropped and the parameter let go;
   whatever is still in at the end of the backward (frozen parameters) is let go then;
 - the optimizer step for these parameters runs on the host copies with the host gradients (the
-  `CompressedOptimizer` given `offload=`), so their optimizer state lives on the host as well.
+  `CompressedOptimizer` given `offload=`), so their optimizer state lives on the host as well. With
+  `overlap=True` that step runs on a background thread while the next forward starts, the modules in the
+  order of the forward: a parameter whose step is still running is waited for before anything here brings it
+  in, reads or writes its host copy or its host gradient (`begin_step`, `end_step`).
 
 On CUDA every copy runs on dpcs's side stream, with events the compute stream waits on right before use. On
 CPU the copies are synchronous and happen at the same points, so the same code path is tested everywhere
@@ -31,6 +34,7 @@ outside it their storage is empty, and torch does not check such reads (on CPU, 
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -98,6 +102,9 @@ class ParameterOffload:
         self._order: list[nn.Module] = []  # modules in the order of the last whole forward
         self._this_forward: list[nn.Module] = []
         self._backward_queued = False
+        # Parameters whose optimizer step runs in the background: set once it is done (or failed).
+        self._stepping: dict[int, threading.Event] = {}
+        self._step_error: BaseException | None = None
         self._handles: list[Any] = []
         for param in unique.values():
             storage = param.untyped_storage()
@@ -156,6 +163,7 @@ class ParameterOffload:
         unknown = chosen - {id(m) for m in self.modules}
         if unknown:
             raise ValueError(f"use() names {len(unknown)} modules this ParameterOffload was not given")
+        self.wait_steps()
         self.settle()
         moved: list[nn.Parameter] = []
         for module in self.modules:
@@ -185,11 +193,58 @@ class ParameterOffload:
 
     def has_gradient(self, param: torch.Tensor) -> bool:
         """Whether an offloaded parameter has a gradient waiting in host memory (earlier micro-batches)."""
+        self._await(id(param))
         return id(param) in self._has_grad
 
     def host_param(self, param: torch.Tensor) -> torch.Tensor:
-        """The host master copy of an offloaded parameter, its `.grad` the host gradient (after `settle`)."""
+        """The host master copy of an offloaded parameter, its `.grad` the host gradient (after `settle`); its
+        optimizer step, if one runs in the background, finished."""
+        self._await(id(param))
         return self.host[id(param)]
+
+    # ---- optimizer steps in the background (`CompressedOptimizer(overlap=True)`)
+
+    def begin_step(self, params: Iterable[torch.Tensor]) -> None:
+        """A background thread steps `params` now, with their host gradients (bound by `settle`): those are the
+        step's until `end_step`, and whatever reads or writes these parameters here waits for it."""
+        self.wait_steps()
+        for param in params:
+            key = id(param)
+            if self.host[key].grad is None:
+                raise RuntimeError("begin_step: a parameter has no host gradient bound; settle() first")
+            self._stepping[key] = threading.Event()
+            self._has_grad.discard(key)  # consumed by the step
+
+    def end_step(self, params: Iterable[torch.Tensor], error: BaseException | None = None) -> None:
+        """(On the stepping thread.) The step of `params` is done: their host gradients are let go. With
+        `error`, it failed: every parameter still waited for is released, and each later wait raises."""
+        if error is not None:
+            self._step_error = error
+            params = [self._param[key] for key in list(self._stepping)]
+        for param in params:
+            event = self._stepping.get(id(param))
+            if event is not None:
+                if error is None:
+                    self.host[id(param)].grad = None
+                event.set()
+
+    def wait_steps(self) -> None:
+        """Every background optimizer step of these parameters finished."""
+        for key in list(self._stepping):
+            self._await(key)
+        self._raise_step_error()
+
+    def _await(self, key: int) -> None:
+        event = self._stepping.get(key)
+        if event is not None:
+            event.wait()
+            self._stepping.pop(key, None)
+        self._raise_step_error()
+
+    def _raise_step_error(self) -> None:
+        if self._step_error is not None:
+            raise RuntimeError("the background optimizer step of offloaded parameters failed (their parameters "
+                               "and optimizer state are partly stepped: load a checkpoint)") from self._step_error
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
@@ -199,6 +254,7 @@ class ParameterOffload:
         Outside a module's run an offloaded parameter's storage is empty, and torch does not check reads of it:
         `p.clone()` there reads freed memory (on CPU a segfault, not an error). Read through this, through
         `state_dict()`, or through `host_param(p)`."""
+        self.wait_steps()
         params = [p for key, p in self._param.items() if key not in self._kept and key not in self._resident]
         for param in params:
             self._fetch(param)
@@ -213,19 +269,22 @@ class ParameterOffload:
                 self._release(param)
 
     def settle(self) -> None:
-        """Finish moving gradients out (CUDA) and hang each host gradient on its host parameter."""
+        """Finish moving gradients out (CUDA) and hang each host gradient on its host parameter (those of a
+        step running in the background are that step's)."""
         for key, staging, event in self._pending_grads:
             event.synchronize()
             self._accumulate(key, staging)
         self._pending_grads.clear()
         for key, host in self.host.items():
-            host.grad = self.host_grad[key] if key in self._has_grad else None
+            if key not in self._stepping:
+                host.grad = self.host_grad[key] if key in self._has_grad else None
 
     def zero_grad(self) -> None:
         self.settle()
         self._has_grad.clear()
-        for host in self.host.values():
-            host.grad = None
+        for key, host in self.host.items():
+            if key not in self._stepping:
+                host.grad = None
 
     def host_bytes(self) -> int:
         """Bytes of the host copies of the parameters and of their gradients (allocated once, at install)."""
@@ -235,6 +294,7 @@ class ParameterOffload:
 
     def _fetch(self, param: nn.Parameter) -> None:
         key = id(param)
+        self._await(key)  # its optimizer step, if it runs in the background
         if key in self._resident:
             return
         param.untyped_storage().resize_(param.numel() * param.element_size())
@@ -332,6 +392,7 @@ class ParameterOffload:
             self._release(param)
 
     def _accumulate(self, key: int, grad: torch.Tensor) -> None:
+        self._await(key)
         if key in self._has_grad:
             self.host_grad[key].add_(grad)
         else:
@@ -349,6 +410,7 @@ class ParameterOffload:
     # ---- the model's state dict reads and writes the host copies
 
     def _state_dict_from_host(self, module: nn.Module, state: dict[str, Any], prefix: str, local: Any) -> None:
+        self.wait_steps()
         for name, param in module.named_parameters():
             if prefix + name in state and self.owns(param):
                 state[prefix + name] = self.host[id(param)]
@@ -367,6 +429,7 @@ class ParameterOffload:
 
     def close(self) -> None:
         """Bring every parameter back to the device for good and remove the hooks."""
+        self.wait_steps()
         self.settle()
         for param in self._param.values():
             self._fetch(param)

@@ -250,7 +250,8 @@ def test_gathered_parameters_can_be_read_and_written_between_steps():
     torch.testing.assert_close(net.state_dict()["blocks.1.linear.weight"], offload.host_param(block), rtol=0, atol=0)
 
 
-def test_an_offload_nobody_closed_goes_with_its_model():
+@pytest.mark.parametrize("overlap", [False, True], ids=["step", "overlapped-step"])
+def test_an_offload_nobody_closed_goes_with_its_model(overlap):
     """Its hooks hold it weakly where the garbage collector cannot see them (a parameter's, torch's global
     optimizer hook): once the model and optimizer go, so do the offload and its host memory."""
     import gc
@@ -258,7 +259,8 @@ def test_an_offload_nobody_closed_goes_with_its_model():
 
     net = stack()
     offload = ParameterOffload([net.blocks[1], net.blocks[2]])
-    optimizer = CompressedOptimizer(torch.optim.AdamW(net.parameters()), states="fp32", offload=offload)
+    optimizer = CompressedOptimizer(torch.optim.AdamW(net.parameters()), states="fp32", offload=offload,
+                                    overlap=overlap)
     train(net, optimizer, 2)
     gone = weakref.ref(offload)
     del net, offload, optimizer
