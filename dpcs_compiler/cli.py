@@ -306,6 +306,9 @@ def hardware_table(resolved) -> Table:
     table.add_row("measured", profile.measured_at + (f" with torch {profile.torch_version}" if profile.torch_version != profile.measured_at else ""))
     for dtype, rate in sorted(profile.matmul_flops.items()):
         table.add_row(f"matmul {dtype}", f"{rate / 1e12:.4g} TFLOP/s")
+    for kind, rows in sorted((profile.matmul_table or {}).items()):
+        rates = [2 * m * k * n / seconds / 1e12 for m, k, n, seconds in rows]
+        table.add_row(f"matmul {kind} by shape", f"{min(rates):.4g}-{max(rates):.4g} TFLOP/s at {len(rows)} shapes")
     table.add_row("memory bandwidth", f"{profile.memory_bandwidth / 1e9:.4g} GB/s")
     table.add_row("host to device", "-" if profile.host_to_device is None else f"{profile.host_to_device / 1e9:.3g} GB/s")
     table.add_row("device to host", "-" if profile.device_to_host is None else f"{profile.device_to_host / 1e9:.3g} GB/s")

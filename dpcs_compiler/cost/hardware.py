@@ -52,7 +52,7 @@ from dpcs_compiler.files import write_text_atomic
 log = logging.getLogger(__name__)
 
 # 2: memory_bytes added; cpu_share measured on a kernel that runs on every thread (1 measured it on a matmul).
-FORMAT_VERSION = 3  # 3: offload_ops_s
+FORMAT_VERSION = 4  # 3: offload_ops_s; 4: matmul_table
 
 BUSY_CPU_SHARE = 0.5  # a quiet CPU gives ~1 while a kernel runs on every thread; 2 competitors per CPU ~0.33
 
@@ -60,6 +60,14 @@ _CACHE_ENV = "DPCS_CACHE_DIR"
 
 # torch._scaled_mm on CUDA needs the contraction and output widths of an fp8 matmul to be multiples of 16.
 FP8_DIM_MULTIPLE = 16
+
+# The matmul kinds a profile's `matmul_table` may time: a dtype's plain matmul, and fp8 scaled matmuls with
+# one scale per tensor or per row (bf16 output). `cost/fp8.py` reads them.
+FP8_TENSORWISE = "float8_e4m3fn"
+FP8_ROWWISE = "float8_e4m3fn:rowwise"
+# The (M, K, N) a CUDA profile times each kind at: the token counts of a step (M) by the widths of
+# transformer linears, from a 1024-wide model's projections to an 8B model's FFN.
+MATMUL_TABLE_SIZES = ((1024, 4096, 16384), (1024, 4096, 14336))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +85,9 @@ class HardwareProfile:
         `wait_offload`, `reload`, `wait_tensor`: Python custom ops with streams and events), measured on the
         device without waiting for it; None where not measured (CPU, built-in profiles): then
         `cost.op_time.offload_ops_seconds` gives a floor.
+    matmul_table: measured matmul times by shape, per kind ("bfloat16", `FP8_TENSORWISE`, `FP8_ROWWISE`):
+        (M, K, N, seconds) rows, an (M x K) @ (K x N) product each; None where not measured (CPU, datasheet
+        profiles): then a matmul is costed at the kind's peak rate (`cost/fp8.py`).
     """
 
     device_key: str
@@ -91,9 +102,13 @@ class HardwareProfile:
     cpu_share: float | None = None
     memory_bytes: int | None = None
     offload_ops_s: float | None = None
+    matmul_table: Mapping[str, tuple[tuple[int, int, int, float], ...]] | None = dataclasses.field(
+        default=None, hash=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "matmul_flops", types.MappingProxyType(dict(self.matmul_flops)))
+        if self.matmul_table is not None:
+            object.__setattr__(self, "matmul_table", _checked_table(self.matmul_table))
         for name in ("device_key", "torch_version", "measured_at"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"hardware profile: {name} must be a string, got {getattr(self, name)!r}")
@@ -143,11 +158,33 @@ class HardwareProfile:
     def __reduce__(self):
         """Pickle and deepcopy through the constructor (a read-only mapping proxy cannot be pickled itself)."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return _rebuild_profile, (fields | {"matmul_flops": dict(self.matmul_flops)},)
+        table = None if self.matmul_table is None else dict(self.matmul_table)
+        return _rebuild_profile, (fields | {"matmul_flops": dict(self.matmul_flops), "matmul_table": table},)
 
 
 def _rebuild_profile(fields: dict[str, object]) -> HardwareProfile:
     return HardwareProfile(**fields)
+
+
+def _checked_table(table: object) -> Mapping[str, tuple[tuple[int, int, int, float], ...]]:
+    """A matmul table, validated, as a read-only mapping of tuples (rows from JSON come as lists)."""
+    if not isinstance(table, Mapping):
+        raise ValueError(f"hardware profile: matmul_table must be a mapping of kind to rows, got {table!r}")
+    out = {}
+    for kind, rows in table.items():
+        if not isinstance(kind, str) or not isinstance(rows, (list, tuple)) or not rows:
+            raise ValueError(f"hardware profile: matmul_table[{kind!r}] must be a non-empty list of "
+                             f"[M, K, N, seconds] rows")
+        checked = []
+        for row in rows:
+            if (not isinstance(row, (list, tuple)) or len(row) != 4
+                    or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in row[:3])):
+                raise ValueError(f"hardware profile: matmul_table[{kind!r}] row {row!r} is not [M, K, N, seconds] "
+                                 "with positive int sizes")
+            _check_rate(f"matmul_table[{kind!r}] seconds", row[3])
+            checked.append((row[0], row[1], row[2], float(row[3])))
+        out[kind] = tuple(checked)
+    return types.MappingProxyType(out)
 
 
 def _is_real(value: object) -> bool:
@@ -166,6 +203,8 @@ def profile_to_json(profile: HardwareProfile) -> str:
     """The profile as a JSON object (the cache file's content)."""
     fields = {f.name: getattr(profile, f.name) for f in dataclasses.fields(profile)}
     fields["matmul_flops"] = dict(profile.matmul_flops)
+    if profile.matmul_table is not None:
+        fields["matmul_table"] = {kind: [list(row) for row in rows] for kind, rows in profile.matmul_table.items()}
     return json.dumps(fields, indent=2, sort_keys=True)
 
 
@@ -179,7 +218,10 @@ def profile_from_json(text: str) -> HardwareProfile:
     if isinstance(data, dict) and data.get("format_version") == 2 and "offload_ops_s" not in data:
         # Format 2 lacked the offload ops' time: a file pinned then (perhaps measured on a GPU not here) is
         # read with it unmeasured, which costs the ops at the floor (`cost.op_time.offload_ops_seconds`).
-        data = {**data, "format_version": FORMAT_VERSION, "offload_ops_s": None}
+        data = {**data, "format_version": 3, "offload_ops_s": None}
+    if isinstance(data, dict) and data.get("format_version") == 3 and "matmul_table" not in data:
+        # Format 3 lacked the matmul table: matmuls are costed at the peak rates, as for a datasheet profile.
+        data = {**data, "format_version": FORMAT_VERSION, "matmul_table": None}
     if isinstance(data, dict) and data.get("format_version", FORMAT_VERSION) != FORMAT_VERSION:
         raise ValueError(f"hardware profile: format {data['format_version']!r}, this dpcs reads format {FORMAT_VERSION}")
     if not isinstance(data, dict) or set(data) != names:
@@ -378,6 +420,59 @@ def _float8_flops(device: torch.device, sync: Callable[[], None], plan: _Plan) -
     return 2 * n**3 / seconds
 
 
+MatmulMaker = Callable[[int, int, int], Callable[[], object]]
+
+
+def measure_matmul_table(makers: Mapping[str, MatmulMaker], sizes: tuple[tuple[int, ...], tuple[int, ...]],
+                         sync: Callable[[], None], plan: _Plan, budget_s: float) -> dict[str, list[list[float]]]:
+    """Seconds of each kind's matmul at every (M, K, N) of `sizes` (Ms, widths: K and N both from the widths):
+    `makers[kind](m, k, n)` makes the operands and returns the call to time. A kind whose maker or call
+    raises at a shape is dropped (the device does not run it); shapes left when `budget_s` runs out are
+    not timed (each kind keeps what it has)."""
+    deadline = time.perf_counter() + budget_s
+    table: dict[str, list[list[float]]] = {}
+    for kind, make in makers.items():
+        rows = []
+        try:
+            for m in sizes[0]:
+                for k in sizes[1]:
+                    for n in sizes[1]:
+                        if time.perf_counter() > deadline:
+                            break
+                        call = make(m, k, n)
+                        rows.append([m, k, n, _median_seconds(call, sync, plan)])
+                        del call
+        except (RuntimeError, TypeError, AttributeError, NotImplementedError) as e:
+            log.info("%s matmuls not timed: %s", kind, e)
+            continue
+        if rows:
+            table[kind] = rows
+    return table
+
+
+def _cuda_matmul_makers(device: torch.device) -> dict[str, MatmulMaker]:
+    """bf16 matmuls and fp8 scaled matmuls (tensorwise and rowwise scales, bf16 output) on a CUDA device."""
+
+    def operands(m: int, k: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        a = torch.randn(m, k, device=device, dtype=torch.bfloat16).to(dtype)
+        b = torch.randn(n, k, device=device, dtype=torch.bfloat16).to(dtype).t()  # column-major, as _scaled_mm needs
+        return a, b
+
+    def bf16(m: int, k: int, n: int) -> Callable[[], object]:
+        a, b = operands(m, k, n, torch.bfloat16)
+        return lambda: torch.mm(a, b)
+
+    def fp8(rowwise: bool) -> MatmulMaker:
+        def make(m: int, k: int, n: int) -> Callable[[], object]:
+            a, b = operands(m, k, n, torch.float8_e4m3fn)
+            shapes = ((m, 1), (1, n)) if rowwise else ((), ())
+            sa, sb = (torch.ones(shape, device=device, dtype=torch.float32) for shape in shapes)
+            return lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)
+        return make
+
+    return {"bfloat16": bf16, FP8_TENSORWISE: fp8(False), FP8_ROWWISE: fp8(True)}
+
+
 def measure_hardware_profile(device: torch.device | str) -> HardwareProfile:
     """Measure the device now (a few seconds): matmul FLOP/s per dtype, copy bandwidths, fixed per-op cost."""
     dev = _resolve_device(device)
@@ -395,6 +490,9 @@ def measure_hardware_profile(device: torch.device | str) -> HardwareProfile:
             flops[str(dtype).removeprefix("torch.")] = _matmul_flops(dev, dtype, sync, plan)
         if cuda and (rate := _float8_flops(dev, sync, plan)) is not None:
             flops["float8_e4m3fn"] = rate
+        # By shape, for the fp8 choice (`cost/fp8.py`): where a GPU's rates fall below its peaks matters.
+        table = (measure_matmul_table(_cuda_matmul_makers(dev), MATMUL_TABLE_SIZES, sync, plan, budget_s=8.0) or None
+                 if cuda else None)
 
         src = torch.ones(plan.copy_bytes // 4, device=dev)
         dst = torch.empty_like(src)
@@ -433,6 +531,7 @@ def measure_hardware_profile(device: torch.device | str) -> HardwareProfile:
         cpu_share=None if cuda else max(shares),
         memory_bytes=device_memory(dev).total_bytes,
         offload_ops_s=offload_ops,
+        matmul_table=table,
     )
 
 

@@ -246,10 +246,39 @@ def test_a_format_2_file_reads_with_the_offload_ops_unmeasured():
     """A profile pinned as a file before format 3 (perhaps measured on a GPU not here) still plans: its
     offload ops cost the floor."""
     profile = fake_profile(device_key="cuda:NVIDIA H200:9.0", host_to_device=5e10, device_to_host=5e10, cpu_share=None)
-    old = {k: v for k, v in json.loads(profile_to_json(profile)).items() if k != "offload_ops_s"} | {"format_version": 2}
+    old = ({k: v for k, v in json.loads(profile_to_json(profile)).items() if k not in ("offload_ops_s", "matmul_table")}
+           | {"format_version": 2})
     assert profile_from_json(json.dumps(old)) == profile
-    with pytest.raises(ValueError, match="format 2, this dpcs reads"):  # format 2 with the new field is no file of ours
+    with pytest.raises(ValueError, match="format 2, this dpcs reads"):  # format 2 with a later field is no file of ours
         profile_from_json(json.dumps({**old, "offload_ops_s": 1e-4}))
+
+
+def test_a_format_3_file_reads_without_a_matmul_table():
+    profile = fake_profile(device_key="cuda:NVIDIA H200:9.0", host_to_device=5e10, device_to_host=5e10, cpu_share=None)
+    old = {k: v for k, v in json.loads(profile_to_json(profile)).items() if k != "matmul_table"} | {"format_version": 3}
+    assert profile_from_json(json.dumps(old)) == profile and profile.matmul_table is None
+
+
+def test_a_matmul_table_round_trips_through_json_and_pickle():
+    import pickle
+
+    table = {"bfloat16": [[1024, 1024, 1024, 2e-5], [4096, 4096, 4096, 2e-4]], "float8_e4m3fn": [[1024, 1024, 1024, 3e-5]]}
+    profile = fake_profile(device_key="cuda:NVIDIA H200:9.0", cpu_share=None, matmul_table=table)
+    assert profile.matmul_table["bfloat16"][1] == (4096, 4096, 4096, 2e-4)
+    assert profile_from_json(profile_to_json(profile)).matmul_table == profile.matmul_table
+    assert pickle.loads(pickle.dumps(profile)).matmul_table == profile.matmul_table
+
+
+@pytest.mark.parametrize("table, message", [
+    ([1, 2], "must be a mapping"),
+    ({"bfloat16": []}, "non-empty list"),
+    ({"bfloat16": [[1024, 1024, 1024]]}, "is not \\[M, K, N, seconds\\]"),
+    ({"bfloat16": [[1024, 0, 1024, 1e-5]]}, "positive int sizes"),
+    ({"bfloat16": [[1024, 1024, 1024, -1.0]]}, "seconds must be positive"),
+])
+def test_a_bad_matmul_table_is_a_value_error_naming_it(table, message):
+    with pytest.raises(ValueError, match=message):
+        fake_profile(matmul_table=table)
 
 
 @pytest.mark.parametrize("value", [-1e-6, math.inf, math.nan, True, "fast"])
@@ -305,3 +334,23 @@ def test_a_profile_that_cannot_be_cached_says_so(tmp_path, counted_measure):
     blocker.write_text("")  # the cache folder would have to be made inside a file
     resolved = measured_profile("cpu", cache_dir=blocker)
     assert resolved.source.endswith(f"not cached (cannot write {cache_path(device_key('cpu'), blocker)})")
+
+
+def test_a_matmul_table_times_each_kind_at_each_shape_and_drops_kinds_the_device_refuses():
+    """The CUDA table's timing loop, run on CPU float32 matmuls at tiny sizes (the CUDA makers need a GPU)."""
+    from dpcs_compiler.cost.hardware import _PLANS, measure_matmul_table
+
+    def fp32(m, k, n):
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        return lambda: torch.mm(a, b)
+
+    def refused(m, k, n):
+        raise RuntimeError("no such kernel here")
+
+    table = measure_matmul_table({"float32": fp32, "float8_e4m3fn": refused}, ((8, 16), (8, 32)), lambda: None,
+                                 _PLANS["cpu"], budget_s=30.0)
+    assert list(table) == ["float32"]
+    assert [row[:3] for row in table["float32"]] == [[m, k, n] for m in (8, 16) for k in (8, 32) for n in (8, 32)]
+    assert all(row[3] > 0 for row in table["float32"])
+    fake_profile(matmul_table=table)  # what it measures is a valid table
+    assert measure_matmul_table({"float32": fp32}, ((8,), (8,)), lambda: None, _PLANS["cpu"], budget_s=0.0) == {}

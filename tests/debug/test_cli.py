@@ -252,6 +252,19 @@ def test_hardware_shows_the_profile_in_use_and_where_it_came_from(capsys):
     assert "matmul float8_e4m3fn │ 1979 TFLOP/s" in out and "host to device │ 64 GB/s" in out and "80.00 GiB" in out
 
 
+def test_hardware_shows_a_measured_matmul_table_by_kind(tmp_path, capsys):
+    import dataclasses
+
+    from dpcs_compiler.cost.hardware import profile_to_json
+
+    table = {"bfloat16": [[1024, 1024, 1024, 2 * 1024**3 / 400e12], [4096, 4096, 4096, 2 * 4096**3 / 800e12]]}
+    path = tmp_path / "gpu.json"
+    path.write_text(profile_to_json(dataclasses.replace(resolve_profile("h100", "cpu").profile, matmul_table=table)))
+    assert main(["hardware", "--profile", str(path)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "matmul bfloat16 by shape │ 400-800 TFLOP/s at 2 shapes" in out
+
+
 def test_hardware_json_is_a_profile_file_to_pin(tmp_path, capsys):
     assert main(["hardware", "--json", "--profile", "l4"]) == 0
     captured = capsys.readouterr()
