@@ -79,7 +79,8 @@ QUICK_SIZES = {"hidden": 64, "intermediate": 176, "layers": 2, "heads": 2, "voca
                "steps": 2, "warmup": 1}
 FP8_MIN_SIZE, FP8_MIN_SIZE_QUICK = 1024, 16  # torchao's usual threshold; the quick model's linears are tiny
 TARGET_RATIO = 1.2  # the issue's target: fp8 tokens/s >= 1.2x bf16
-PRECISION_FIELDS = ("graph", "mode", "compiler", "precision", "cast_ops", "fp8_linears", "fp8_matmul", "fallback")
+PRECISION_FIELDS = ("graph", "mode", "compiler", "precision", "cast_ops", "fp8_linears", "fp8_matmul", "fp8_select",
+                    "fp8_slower", "fallback")
 
 
 # --- strategies -------------------------------------------------------------------------------------------
@@ -126,7 +127,7 @@ def torchao_strategy(recipe: str, *, device: torch.device, min_size: int, compil
 
 
 def build_strategies(names: Sequence[str], *, device: torch.device, fp8_min_size: int, fp8_matmul: str,
-                     compiler: str) -> tuple[list[bench.Strategy], dict[str, dict[str, Any]]]:
+                     compiler: str, fp8_select: str = "auto") -> tuple[list[bench.Strategy], dict[str, dict[str, Any]]]:
     """The strategies to run, and those skipped (name -> result with the reason)."""
     strategies, skipped = [], {}
     torchao_missing = _torchao_missing()
@@ -135,7 +136,7 @@ def build_strategies(names: Sequence[str], *, device: torch.device, fp8_min_size
         if name == "bf16":
             strategies.append(dpcs_strategy(name, {"precision": "bf16"}, compiler))
         elif kind == "fp8":
-            fp8 = {"recipe": recipe, "min_size": fp8_min_size, "matmul": fp8_matmul}
+            fp8 = {"recipe": recipe, "min_size": fp8_min_size, "matmul": fp8_matmul, "select": fp8_select}
             strategies.append(dpcs_strategy(name, {"precision": "bf16", "fp8": fp8}, compiler))
         elif torchao_missing is not None:
             skipped[name] = {"kind": "upstream", "skipped": torchao_missing, "error": None}
@@ -171,6 +172,7 @@ def prepare(strategy: bench.Strategy, model: nn.Module, ids: torch.Tensor, *, de
         strategy.result["records"] = [{f: getattr(r, f, None) for f in PRECISION_FIELDS} for r in records]
         training = [r for r in records if r.mode == "training"]
         strategy.result["fp8_linears"] = sum(r.fp8_linears for r in training) if training else None
+        strategy.result["fp8_slower"] = sum(r.fp8_slower for r in training) if training else None
         strategy.result["cast_ops"] = sum(r.cast_ops for r in training) if training else None
         for key in ("predicted_peak_bytes", "plan_feasible", "recomputed_values", "offloaded_values"):
             strategy.result.pop(key, None)  # memory-plan fields: no memory budget here
@@ -281,6 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="inductor (default), or eager: dpcs option compiler='eager', aot_eager for torchao")
     parser.add_argument("--fp8-matmul", choices=("auto", "scaled_mm", "emulated"), default="auto",
                         help="dpcs option fp8.matmul (default auto: torch._scaled_mm where the device runs it)")
+    parser.add_argument("--fp8-select", choices=("auto", "faster", "all"), default="auto",
+                        help="dpcs option fp8.select (default auto: the linears the profile says are faster in fp8 "
+                             "where the matmuls are real fp8; all: every eligible linear)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (tests)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results", help="results folder")
     return parser
@@ -330,7 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "tokens_per_step": sizes["batch"] * sizes["seq"],
         "parameters": sum(p.numel() for p in model.parameters()),
         "linears": len(linears),
-        "fp8": {"min_size": fp8_min_size, "matmul": args.fp8_matmul,
+        "fp8": {"min_size": fp8_min_size, "matmul": args.fp8_matmul, "select": args.fp8_select,
                 "eligible_linears": sum(fp8_eligible(m, fp8_min_size) for m in model.modules())},
         "target_ratio_vs_bf16": TARGET_RATIO,
         "speed_meaningful": device.type == "cuda",
@@ -342,7 +347,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         log(f"warning: the 1-minute load average is {load:.1f} on {os.cpu_count()} CPUs: "
             "other processes compete for the CPU and step times will be noisy")
     strategies, skipped = build_strategies(args.strategies, device=device, fp8_min_size=fp8_min_size,
-                                           fp8_matmul=args.fp8_matmul, compiler=args.compiler)
+                                           fp8_matmul=args.fp8_matmul, compiler=args.compiler,
+                                           fp8_select=args.fp8_select)
     for name, reason in skipped.items():
         log(f"{name}: skipped: {reason['skipped']}")
     torch._dynamo.reset()

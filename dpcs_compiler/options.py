@@ -29,6 +29,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 FP8_RECIPES = ("tensorwise", "rowwise")
 FP8_MATMULS = ("auto", "scaled_mm", "emulated")
 FP8_GRAD_DTYPES = ("e5m2", "e4m3")
+FP8_SELECTS = ("auto", "faster", "all")
 DUMP_DIR_ENV = "DPCS_DUMP_DIR"
 HARDWARE_PROFILE_ENV = "DPCS_HARDWARE_PROFILE"
 OPTIONS_ENV = "DPCS_OPTIONS"
@@ -109,6 +110,11 @@ class Fp8Options:
     matmul: "scaled_mm" (torch._scaled_mm), "emulated" (the same math in fp32), or "auto" (scaled_mm where
         the device runs it, emulated elsewhere, with a warning that emulation gains no speed).
     grad_dtype: the output gradient's fp8 format in backward: "e5m2" (range) or "e4m3" (precision).
+    select: which eligible linears run in fp8. "faster": those the hardware profile says are faster in fp8 at
+        their shape, casts and scales counted (`cost/fp8.py`); the others stay in the region's dtype, and
+        the plan says why. "all": every eligible linear (numerics studies). "auto" (default): "faster" where
+        the matmuls are real fp8 matmuls, "all" where they are emulated (emulation is for numerics: it is
+        never faster, and a warning says so).
     """
 
     recipe: str = "tensorwise"
@@ -117,6 +123,7 @@ class Fp8Options:
     margin: float = 0.0
     matmul: str = "auto"
     grad_dtype: str = "e5m2"
+    select: str = "auto"
 
     def __post_init__(self) -> None:
         if self.recipe not in FP8_RECIPES:
@@ -137,6 +144,11 @@ class Fp8Options:
             raise ValueError(
                 f"dpcs option 'fp8.grad_dtype'={self.grad_dtype!r} is not valid; valid choices: "
                 f"{', '.join(map(repr, FP8_GRAD_DTYPES))}"
+            )
+        if self.select not in FP8_SELECTS:
+            raise ValueError(
+                f"dpcs option 'fp8.select'={self.select!r} is not valid; valid choices: "
+                f"{', '.join(map(repr, FP8_SELECTS))}"
             )
 
     @classmethod

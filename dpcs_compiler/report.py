@@ -80,6 +80,8 @@ class CompileRecord:
     cast_ops: int = 0
     fp8_linears: int = 0
     fp8_matmul: str | None = None  # how its fp8 linears run: "scaled_mm", "emulated" ("auto" resolved)
+    fp8_select: str | None = None  # "faster" or "all" ("auto" resolved)
+    fp8_slower: int = 0  # eligible linears left in the region's dtype: fp8 would be slower at their shape
     recast_parameter_nodes: int = 0  # without a budget: parameter casts made again in backward, not saved
     recomputed_upcasts: int = 0  # without a budget: widening casts made again in backward, not saved
 

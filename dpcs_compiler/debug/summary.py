@@ -147,8 +147,9 @@ def _precision_cell(summary: dict[str, Any]) -> str:
     precision = summary.get("precision")
     if precision is None:
         return "-"
-    fp8 = summary.get("fp8_linears", 0)
-    return f"{precision}, {fp8} fp8 linears" if fp8 else precision
+    fp8, slower = summary.get("fp8_linears", 0), summary.get("fp8_slower", 0)
+    kept = f" ({slower} kept: slower in fp8)" if slower else ""
+    return f"{precision}, {fp8} fp8 linears{kept}" if fp8 or slower else precision
 
 
 def _plan_cell(summary: dict[str, Any]) -> str:

@@ -17,7 +17,8 @@ to (or, for ops that do not promote, in its inputs' dtype). Where dpcs differs, 
 - binary_cross_entropy runs in fp32 instead of raising (autocast refuses it as unsafe under fp16).
 - lerp promotes its operands like the promote list (it needs one dtype; autocast lists it nowhere).
 - `keep_fp32` patterns keep whole modules in fp32 (autocast can only be switched off in code).
-- A linear on the fp8 list (`Fp8Options`) runs as an fp8 matmul with its output in the region's dtype.
+- A linear on the fp8 list (`Fp8Options`) runs as an fp8 matmul with its output in the region's dtype;
+  with `select="faster"`, only where the hardware profile says fp8 is faster at its shape (`cost/fp8.py`).
 - Python code that branches on a tensor's dtype (`if x.dtype == torch.float16: x = x.clamp(...)`,
   `torch.finfo(x.dtype)`, `x.to(y.dtype)`) was traced by Dynamo with the model's own dtypes and is baked
   into the graph as such; under autocast it sees the low dtype.
@@ -26,12 +27,13 @@ to (or, for ops that do not promote, in its inputs' dtype). Where dpcs differs, 
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+from dpcs_compiler.cost.fp8 import LinearSeconds
 from dpcs_compiler.cost.hardware import FP8_DIM_MULTIPLE
 from dpcs_compiler.options import Fp8Options
 from dpcs_compiler.plan import Fp8Decision, PrecisionDecision
-from dpcs_compiler.types import OpSite
+from dpcs_compiler.types import LinearShape, OpSite
 
 # torch.autocast's CUDA lower-precision list, as torch-level names.
 LOWER_PRECISION_OPS = frozenset({
@@ -94,6 +96,20 @@ def fp8_eligibility(site: OpSite, fp8: Fp8Options, kept: str | None) -> str | No
     return None
 
 
+def _faster(seconds: LinearSeconds, shape: LinearShape, fp8: Fp8Options, precision: str,
+            matmul: str) -> tuple[str | None, str, float | None]:
+    """(why it stays in the region's dtype or None, why it is fp8, the predicted speedup) for one linear."""
+    at = f"M, K, N = {shape.tokens}, {shape.in_features}, {shape.out_features}"
+    if seconds.fp8_s is None:
+        return f"stays {precision}: the hardware profile has no fp8 matmul speed", "", None
+    speedup = seconds.speedup
+    times = (f"{seconds.fp8_s * 1e6:.1f} us against {seconds.region_s * 1e6:.1f} us a step at {at}, "
+             f"casts and scales counted ({seconds.source})")
+    if not seconds.fp8_faster:
+        return f"stays {precision}: {fp8.recipe} fp8 would be {speedup:.2f}x as fast ({times})", "", speedup
+    return None, f"{fp8.recipe} fp8 linear ({matmul}), {speedup:.2f}x as fast as {precision} ({times})", speedup
+
+
 def plan_precision(
     sites: Sequence[OpSite],
     *,
@@ -102,11 +118,14 @@ def plan_precision(
     fp8: Fp8Options | None = None,
     fp8_matmul: str = "scaled_mm",
     fp8_weight_grad_dtype: str | None = None,
+    fp8_speed: Callable[[LinearShape], LinearSeconds] | None = None,
 ) -> tuple[tuple[PrecisionDecision, ...], tuple[Fp8Decision, ...]]:
     """Per-op dtype decisions (only for ops that need casts) and one decision per linear when fp8 is on.
 
     `fp8_matmul` is how the device runs fp8 matmuls ("scaled_mm" or "emulated", decided by a probe), and
     `fp8_weight_grad_dtype` the dtype its weight-gradient matmuls output when the weight's is not available.
+    `fp8_speed` (fp8's `select="faster"`): a linear's step seconds in fp8 and in the region's dtype at its
+    shape; an eligible linear runs in fp8 only where that is faster.
     """
     ops: list[PrecisionDecision] = []
     linears: list[Fp8Decision] = []
@@ -115,14 +134,18 @@ def plan_precision(
         if fp8 is not None and site.op == "linear":
             why_not = fp8_eligibility(site, fp8, kept)
             shape = site.linear
+            reason, speedup = f"{fp8.recipe} fp8 linear ({fp8_matmul})", None
+            if why_not is None and fp8_speed is not None:
+                assert shape is not None  # eligible linears have one
+                why_not, reason, speedup = _faster(fp8_speed(shape), shape, fp8, precision, fp8_matmul)
             linears.append(Fp8Decision(
                 node=site.node, module=site.module,
                 in_features=shape.in_features if shape else 0, out_features=shape.out_features if shape else 0,
                 tokens=shape.tokens if shape else 0, fp8=why_not is None,
-                reason=why_not or f"{fp8.recipe} fp8 linear ({fp8_matmul})",
+                reason=why_not or reason,
                 recipe=fp8.recipe if why_not is None else None, matmul=fp8_matmul if why_not is None else None,
                 margin=fp8.margin, grad_dtype=fp8.grad_dtype if why_not is None else None,
-                weight_grad_dtype=fp8_weight_grad_dtype if why_not is None else None,
+                weight_grad_dtype=fp8_weight_grad_dtype if why_not is None else None, speedup=speedup,
             ))
             if why_not is None:
                 ops.append(PrecisionDecision(site.node, site.module, site.op, "fp8", "fp8 region"))

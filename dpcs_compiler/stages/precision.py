@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 import torch.fx as fx
 
+from dpcs_compiler.cost.fp8 import linear_seconds
 from dpcs_compiler.diagnostics import DpcsWarning
 from dpcs_compiler.ops.fp8 import scaled_mm_supported
 from dpcs_compiler.options import DpcsOptions
@@ -53,18 +54,42 @@ def plan_precision_stage(job: GraphJob, gm: fx.GraphModule) -> None:
                     "fp8 matmuls exactly in fp32 (same numerics, no speedup; fp8 matmuls need CUDA sm89 or newer)",
                     category=DpcsWarning, stacklevel=2,
                 )
+        select = None
+        speed = None
+        if options.fp8 is not None:
+            select = options.fp8.select
+            if select == "auto":  # emulation is for numerics: it is never faster
+                select = "faster" if matmul == "scaled_mm" else "all"
+            if select == "faster":
+                profile = job.hardware_profile(graph_device(gm)).profile
+                recipe, region = options.fp8.recipe, options.precision
+
+                def speed(shape):
+                    return linear_seconds(profile, max(1, shape.tokens), shape.in_features, shape.out_features,
+                                          recipe=recipe, region=region)
         ops, linears = plan_precision(
             sites, precision=options.precision, keep_fp32=options.keep_fp32, fp8=options.fp8, fp8_matmul=matmul,
-            fp8_weight_grad_dtype=weight_grad_dtype,
+            fp8_weight_grad_dtype=weight_grad_dtype, fp8_speed=speed,
         )
         warn_unmatched_patterns(sites, options)
         job.ctx.plan = dataclasses.replace(job.plan, precision_ops=ops, fp8_linears=linears)
     job.record.cast_ops = sum(d.dtype != "fp8" for d in ops)
     job.record.fp8_linears = sum(d.fp8 for d in linears)
     job.record.fp8_matmul = matmul if options.fp8 is not None else None
+    job.record.fp8_select = select
+    job.record.fp8_slower = sum(d.speedup is not None and not d.fp8 for d in linears)
+    eligible = [d for d in linears if d.fp8 or d.reason.startswith("stays ")]
+    if select == "faster" and eligible and not job.record.fp8_linears:
+        warnings.warn(
+            f"fp8 was asked for, but none of this graph's {len(eligible)} eligible linears is faster in fp8 at its "
+            f"shape on the hardware profile ({eligible[0].reason}); they stay {options.precision}. "
+            "fp8={'select': 'all'} converts every eligible linear anyway (for numerics, not speed)",
+            category=DpcsWarning, stacklevel=2,
+        )
     log.info(
-        "%s: precision %s, %d ops with a dtype decision, %d of %d linears in fp8",
+        "%s: precision %s, %d ops with a dtype decision, %d of %d linears in fp8%s",
         job.record.graph, options.precision, job.record.cast_ops, job.record.fp8_linears, len(linears),
+        f" ({job.record.fp8_slower} slower in fp8 at their shape)" if job.record.fp8_slower else "",
     )
 
 

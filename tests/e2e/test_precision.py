@@ -33,7 +33,7 @@ from dpcs_compiler.ops import overflow
 from dpcs_compiler.ops.fp8 import sqnr_db
 
 GPT = GPTConfig(vocab=128, block_size=32, d_model=64, heads=4, layers=2, dropout=0.0)
-FP8 = {"min_size": 16}
+FP8 = {"min_size": 16, "select": "all"}  # every eligible linear: these tests are of numerics, not speed
 LINEARS = 4 * GPT.layers + 1  # qkv, proj, two MLP linears per block, and the head
 STEP_TOLERANCE = {  # dtype: (minimum gradient SQNR in dB, relative loss error)
     "bf16": (30.0, 5e-3),
@@ -150,7 +150,7 @@ def test_fp8_graphs_hold_fp8_matmuls_and_save_no_weight_copy(gpt_and_batch, tmp_
 
 def test_fp8_plan_names_how_each_linear_runs(gpt_and_batch, recwarn, tmp_path):
     model, inputs = gpt_and_batch
-    step(model, inputs, fp8={"min_size": 16, "filter": ["blocks.0.*", "*.mlp.*"]}, dump_dir=tmp_path)
+    step(model, inputs, fp8={"min_size": 16, "filter": ["blocks.0.*", "*.mlp.*"], "select": "all"}, dump_dir=tmp_path)
     assert not [w for w in recwarn if "emulates" in str(w.message)]  # "auto": this CPU runs _scaled_mm
     plan = json.loads(next(tmp_path.glob("*/00_plan.json")).read_text())
     reasons = {d["module"]: (d["fp8"], d["reason"]) for d in plan["fp8_linears"]}
@@ -367,3 +367,63 @@ def test_promote_ops_run_with_mixed_inputs():
     inputs = (torch.randn(2, 3, 8, 8), torch.rand(2, 4, 4, 2) * 2 - 1)
     out, expected = against_eager(Warp(), inputs, precision="bf16")
     assert out.dtype == torch.float32 and sqnr_db(expected, out) >= 30.0
+
+
+class WideAndNarrow(torch.nn.Module):
+    """One linear large enough for fp8 to pay on the pinned profile below, one too small."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wide = torch.nn.Linear(512, 512)
+        self.narrow = torch.nn.Linear(512, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.narrow(torch.relu(self.wide(x))).float().square().mean()
+
+
+def planned_for_a_gpu(rates):
+    """The built-in H100 profile with a pinned matmul table: `rates` maps (M, K, N) to (bf16, fp8) FLOP/s."""
+    import dataclasses
+
+    from dpcs_compiler.cost.profiles import BUILTIN_PROFILES
+
+    table = {kind: [[m, k, n, 2 * m * k * n / pair[i]] for (m, k, n), pair in rates.items()]
+             for i, kind in enumerate(("bfloat16", "float8_e4m3fn"))}
+    return dataclasses.replace(BUILTIN_PROFILES["h100"][1], matmul_table=table)
+
+
+def test_fp8_select_faster_plans_for_the_gpu_profile_and_trains_on_cpu(tmp_path):
+    """Planned for an H100 from a CPU (fp8 emulated here): fp8 where the pinned table says it pays (the wide
+    linear), bf16 where it does not (the narrow one), each with its reason; the step trains as eager does."""
+    torch.manual_seed(0)
+    model, x = WideAndNarrow(), torch.randn(4, 128, 512)
+    narrow = {shape: (1e12, 1e12) for shape in ((512, 512, 64), (512, 64, 512), (64, 512, 512))}  # its 3 matmuls
+    profile = planned_for_a_gpu({(512, 512, 512): (1e12, 2e13), **narrow})
+    ref_loss, ref_grads = step(model, (x,))
+    loss, grads = step(model, (x,), precision="bf16", hardware_profile=profile, dump_dir=tmp_path,
+                       fp8={"min_size": 16, "matmul": "emulated", "select": "faster"})
+    (record,) = [r for r in compile_records() if r.mode == "training"]
+    assert (record.fp8_select, record.fp8_linears, record.fp8_slower) == ("faster", 1, 1)
+    plan = json.loads(next(tmp_path.glob("*/00_plan.json")).read_text())
+    decided = {d["module"]: d for d in plan["fp8_linears"]}
+    assert decided["wide"]["fp8"] and decided["wide"]["speedup"] > 1
+    assert decided["wide"]["reason"].startswith("tensorwise fp8 linear (emulated), ")
+    assert not decided["narrow"]["fp8"] and decided["narrow"]["speedup"] < 1
+    assert decided["narrow"]["reason"].startswith("stays bf16: tensorwise fp8 would be ")
+    assert "(measured table)" in decided["narrow"]["reason"]
+    sqnr = gradient_sqnr(ref_grads, grads)
+    assert min(sqnr.values()) >= 14.0, sqnr
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-2, atol=0)
+
+
+def test_fp8_asked_for_where_no_linear_pays_warns_and_keeps_them():
+    from dpcs_compiler.diagnostics import DpcsWarning
+
+    torch.manual_seed(0)
+    model, x = WideAndNarrow(), torch.randn(4, 128, 512)
+    profile = planned_for_a_gpu({(512, 512, 512): (1e12, 1e12)})
+    with pytest.warns(DpcsWarning, match="none of this graph's 2 eligible linears is faster in fp8 .*; they stay bf16"):
+        step(model, (x,), precision="bf16", hardware_profile=profile,
+             fp8={"min_size": 16, "matmul": "emulated", "select": "faster"})
+    (record,) = [r for r in compile_records() if r.mode == "training"]
+    assert (record.fp8_linears, record.fp8_slower) == (0, 2)

@@ -92,3 +92,40 @@ def test_fp8_with_fp32_regions():
     ops, linears = plan_precision(SITES, precision="fp32", fp8=fp8)
     assert [d.node for d in linears if d.fp8] == ["qkv"]  # lm_head: 100 outputs
     assert by_node(ops) == {"qkv": ("fp8", "fp8 region")}
+
+
+def test_select_faster_runs_in_fp8_only_the_linears_the_profile_says_are_faster():
+    """The planner takes each eligible linear's predicted step seconds (cost/fp8.py, here the built-in H100's
+    peak rates): the small one stays in the region's dtype with the reason, the large one goes fp8."""
+    from dpcs_compiler.cost.fp8 import linear_seconds
+    from dpcs_compiler.cost.profiles import BUILTIN_PROFILES
+
+    h100 = BUILTIN_PROFILES["h100"][1]
+    sites = [site("small", "linear", "blocks.0.attn", linear=LinearShape(1024, 1024, 2048)),
+             site("large", "linear", "blocks.0.mlp", linear=LinearShape(4096, 14336, 16384)),
+             site("odd", "linear", "head", linear=LinearShape(4096, 100, 16384))]
+    fp8 = Fp8Options(min_size=16, select="faster")
+
+    def speed(shape):
+        return linear_seconds(h100, shape.tokens, shape.in_features, shape.out_features, recipe="tensorwise",
+                              region="bf16")
+
+    ops, linears = plan_precision(sites, precision="bf16", fp8=fp8, fp8_matmul="scaled_mm", fp8_speed=speed)
+    decided = {d.node: d for d in linears}
+    assert not decided["small"].fp8 and decided["small"].recipe is None
+    assert decided["small"].reason.startswith("stays bf16: tensorwise fp8 would be 0.46x as fast (")
+    assert "at M, K, N = 2048, 1024, 1024, casts and scales counted (peak rates)" in decided["small"].reason
+    assert decided["large"].fp8 and decided["large"].speedup > 1.4
+    assert decided["large"].reason.startswith("tensorwise fp8 linear (scaled_mm), 1.53x as fast as bf16 (")
+    assert decided["odd"].speedup is None and "not a multiple of 16" in decided["odd"].reason  # never timed
+    assert by_node(ops) == {"small": ("bf16", "autocast lower-precision op"), "large": ("fp8", "fp8 region"),
+                            "odd": ("bf16", "autocast lower-precision op")}
+
+
+def test_select_faster_without_an_fp8_speed_keeps_every_linear():
+    from dpcs_compiler.cost.fp8 import LinearSeconds
+
+    _, linears = plan_precision(SITES, precision="bf16", fp8=Fp8Options(min_size=16, select="faster"),
+                                fp8_speed=lambda shape: LinearSeconds(None, 1e-3, "peak rates"))
+    assert not any(d.fp8 for d in linears)
+    assert {d.reason for d in linears if d.node == "qkv"} == {"stays bf16: the hardware profile has no fp8 matmul speed"}
