@@ -1,9 +1,13 @@
 """Training tokens/s of bf16 against fp8 linears through dpcs, on a Llama-style model (issue target: fp8 >= 1.2x bf16).
 
-    python benchmarks/precision_speed.py [--device cpu|cuda] [--hidden 2048] [--intermediate 5632] [--layers 4]
-        [--heads 16] [--vocab 32000] [--seq 2048] [--batch 4] [--steps 20] [--warmup 5]
-        [--strategies bf16,fp8_tensorwise,fp8_rowwise,torchao_tensorwise] [--compiler inductor|eager]
-        [--fp8-matmul auto|scaled_mm|emulated] [--quick] [--out benchmarks/results]
+    python benchmarks/precision_speed.py [--device cpu|cuda] [--preset small|8b_slice] [--hidden 2048]
+        [--intermediate 5632] [--layers 4] [--heads 16] [--kv-heads 16] [--vocab 32000] [--seq 2048] [--batch 4]
+        [--steps 20] [--warmup 5] [--strategies bf16,fp8_tensorwise,fp8_rowwise,torchao_tensorwise]
+        [--compiler inductor|eager] [--fp8-matmul auto|scaled_mm|emulated] [--fp8-select auto|faster|all]
+        [--quick] [--out benchmarks/results]
+
+Presets: `small` (default), the model above; `8b_slice`, two layers of an 8B-class Llama (hidden 4096, FFN
+14336, 32 heads, 8 key/value heads, vocabulary 32000), batch 2 x 4096 tokens. Size flags override a preset.
 
 One `dpcs_compiler.models.LlamaLM` (transformers Llama, random weights, fp32 master parameters, forward(ids)
 returns the LM loss) is deep-copied per strategy, so every strategy trains the same weights; a step is zero
@@ -11,7 +15,11 @@ grads, forward, backward (no optimizer):
 
   bf16                 dpcs, options {"precision": "bf16"}
   fp8_tensorwise       dpcs, bf16 plus {"fp8": {"recipe": "tensorwise", "min_size": 1024 (16 with --quick),
-  fp8_rowwise            "matmul": "auto"}}: eligible linears become torch._scaled_mm with dynamic scaling
+  fp8_rowwise            "matmul": "auto", "select": --fp8-select}}: eligible linears become torch._scaled_mm
+                         with dynamic scaling (with select "auto" on a GPU, those the hardware profile says
+                         are faster in fp8 at their shape)
+  fp8all_tensorwise    the same with select "all": every eligible linear, whatever its shape
+  fp8all_rowwise
   torchao_tensorwise   torchao.float8.convert_to_float8_training with the recipe of that name, torch.compile
   torchao_rowwise        (Inductor), under torch.autocast(bf16); the same linears as dpcs's rule picks (both
                          dims multiples of 16 and >= min_size). Recorded as skipped when torchao is missing.
@@ -21,8 +29,9 @@ max_memory_allocated, or CPU profiler memory events), then all are timed interle
 (`bench.py`'s `time_interleaved`, synchronizing CUDA around every step): tokens/s = batch * seq / median
 step time, and its ratio to bf16. The dpcs strategies report how many linears went fp8 (compile records);
 the torchao ones how many modules torchao converted. A strategy that fails is recorded with its error and
-left out of the timing. Writes precision_speed_<device>.json and .png (tokens/s per strategy) under --out;
-`--quick` uses tiny sizes and writes precision_speed_<device>_quick.*.
+left out of the timing. Writes precision_speed_<device>.json and .png (tokens/s per strategy) under --out
+(precision_speed_<device>_8b_slice.* for that preset); `--quick` uses tiny sizes and writes
+precision_speed_<device>_quick.*.
 
 On CPU the figures say nothing about speed: bf16 and fp8 matmuls there are far slower than fp32 ones, and
 the quick sizes are dominated by overheads. CPU runs only check that the script and the strategies work;
@@ -71,12 +80,18 @@ def _load_bench():
 bench = _load_bench()
 
 MiB = 2**20
-STRATEGIES = ("bf16", "fp8_tensorwise", "fp8_rowwise", "torchao_tensorwise", "torchao_rowwise")
+STRATEGIES = ("bf16", "fp8_tensorwise", "fp8_rowwise", "fp8all_tensorwise", "fp8all_rowwise", "torchao_tensorwise",
+              "torchao_rowwise")
 DEFAULT_STRATEGIES = ("bf16", "fp8_tensorwise", "fp8_rowwise", "torchao_tensorwise")
-FULL_SIZES = {"hidden": 2048, "intermediate": 5632, "layers": 4, "heads": 16, "vocab": 32000, "seq": 2048,
-              "batch": 4, "steps": 20, "warmup": 5}
-QUICK_SIZES = {"hidden": 64, "intermediate": 176, "layers": 2, "heads": 2, "vocab": 128, "seq": 32, "batch": 2,
-               "steps": 2, "warmup": 1}
+FULL_SIZES = {"hidden": 2048, "intermediate": 5632, "layers": 4, "heads": 16, "kv_heads": 16, "vocab": 32000,
+              "seq": 2048, "batch": 4, "steps": 20, "warmup": 5}
+PRESETS = {
+    "small": FULL_SIZES,
+    "8b_slice": {"hidden": 4096, "intermediate": 14336, "layers": 2, "heads": 32, "kv_heads": 8, "vocab": 32000,
+                 "seq": 4096, "batch": 2, "steps": 10, "warmup": 3},
+}
+QUICK_SIZES = {"hidden": 64, "intermediate": 176, "layers": 2, "heads": 2, "kv_heads": 2, "vocab": 128, "seq": 32,
+               "batch": 2, "steps": 2, "warmup": 1}
 FP8_MIN_SIZE, FP8_MIN_SIZE_QUICK = 1024, 16  # torchao's usual threshold; the quick model's linears are tiny
 TARGET_RATIO = 1.2  # the issue's target: fp8 tokens/s >= 1.2x bf16
 PRECISION_FIELDS = ("graph", "mode", "compiler", "precision", "cast_ops", "fp8_linears", "fp8_matmul", "fp8_select",
@@ -135,8 +150,9 @@ def build_strategies(names: Sequence[str], *, device: torch.device, fp8_min_size
         kind, recipe = name.partition("_")[::2]
         if name == "bf16":
             strategies.append(dpcs_strategy(name, {"precision": "bf16"}, compiler))
-        elif kind == "fp8":
-            fp8 = {"recipe": recipe, "min_size": fp8_min_size, "matmul": fp8_matmul, "select": fp8_select}
+        elif kind in ("fp8", "fp8all"):
+            select = "all" if kind == "fp8all" else fp8_select
+            fp8 = {"recipe": recipe, "min_size": fp8_min_size, "matmul": fp8_matmul, "select": select}
             strategies.append(dpcs_strategy(name, {"precision": "bf16", "fp8": fp8}, compiler))
         elif torchao_missing is not None:
             skipped[name] = {"kind": "upstream", "skipped": torchao_missing, "error": None}
@@ -274,9 +290,11 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=__doc__[__doc__.index("One `dpcs"):],
     )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--preset", choices=tuple(PRESETS), default="small",
+                        help="model sizes (default small); size flags override them")
     for key, value in FULL_SIZES.items():
-        parser.add_argument(f"--{key}", type=int, default=None,
-                            help=f"default {value}; {QUICK_SIZES[key]} with --quick")
+        parser.add_argument(f"--{key.replace('_', '-')}", dest=key, type=int, default=None,
+                            help=f"default {value} (small); {QUICK_SIZES[key]} with --quick")
     parser.add_argument("--strategies", type=bench._csv(str), default=list(DEFAULT_STRATEGIES),
                         help=f"comma-separated, from {','.join(STRATEGIES)} (default: {','.join(DEFAULT_STRATEGIES)})")
     parser.add_argument("--compiler", choices=("inductor", "eager"), default="inductor",
@@ -294,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    defaults = QUICK_SIZES if args.quick else FULL_SIZES
+    defaults = QUICK_SIZES if args.quick else PRESETS[args.preset]
     sizes = {key: getattr(args, key) if getattr(args, key) is not None else value for key, value in defaults.items()}
     for name in args.strategies:
         if name not in STRATEGIES:
@@ -305,6 +323,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("sizes, --steps and --warmup must be >= 1")
     if sizes["hidden"] % sizes["heads"]:
         parser.error(f"--hidden {sizes['hidden']} is not a multiple of --heads {sizes['heads']}")
+    if sizes["heads"] % sizes["kv_heads"]:
+        parser.error(f"--heads {sizes['heads']} is not a multiple of --kv-heads {sizes['kv_heads']}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available")
 
@@ -317,7 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     torch.manual_seed(0)
     size = LlamaSize(vocab=sizes["vocab"], hidden=sizes["hidden"], intermediate=sizes["intermediate"],
-                     layers=sizes["layers"], heads=sizes["heads"], seq=sizes["seq"])
+                     layers=sizes["layers"], heads=sizes["heads"], seq=sizes["seq"], kv_heads=sizes["kv_heads"])
     model = LlamaLM(size).to(device)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, size.vocab, (sizes["batch"], size.seq), generator=generator).to(device)
@@ -331,6 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "python": platform.python_version(),
         "compiler": args.compiler,
         "quick": args.quick,
+        "preset": None if args.quick else args.preset,
         "sizes": sizes,
         "tokens_per_step": sizes["batch"] * sizes["seq"],
         "parameters": sum(p.numel() for p in model.parameters()),
@@ -371,7 +392,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     print_table(payload, console)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / (f"precision_speed_{device.type}" + ("_quick" if args.quick else ""))
+    stem = args.out / (f"precision_speed_{device.type}" + ("_quick" if args.quick else "")
+                       + ("_8b_slice" if not args.quick and args.preset == "8b_slice" else ""))
     stem.with_suffix(".json").write_text(json.dumps(payload, indent=2, default=_plain) + "\n")
     plot(payload, stem.with_suffix(".png"))
     console.print(f"wrote {stem}.json and {stem}.png", highlight=False, markup=False)

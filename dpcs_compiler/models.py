@@ -287,6 +287,7 @@ class LlamaSize:
     layers: int = 4
     heads: int = 4
     seq: int = 128
+    kv_heads: int | None = None  # grouped-query attention's key/value heads (None: one per head)
 
 
 class LlamaLM(nn.Module):
@@ -306,7 +307,7 @@ class LlamaLM(nn.Module):
             intermediate_size=size.intermediate,
             num_hidden_layers=size.layers,
             num_attention_heads=size.heads,
-            num_key_value_heads=size.heads,
+            num_key_value_heads=size.heads if size.kv_heads is None else size.kv_heads,
             max_position_embeddings=size.seq,
             use_cache=False,
             tie_word_embeddings=False,

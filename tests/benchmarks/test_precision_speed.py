@@ -141,3 +141,34 @@ def test_summarize(precision_speed):
     assert results["fp8_rowwise"]["tokens_per_s"] is None and results["fp8_rowwise"]["meets_target"] is None
     torchao = results["torchao_tensorwise"]
     assert torchao["ratio_vs_bf16"] is None and "meets_target" not in torchao
+
+
+def test_fp8_strategies_choose_their_linears_as_asked(precision_speed):
+    """fp8_* use --fp8-select (the default "auto": on a GPU, the linears the profile says are faster); fp8all_*
+    convert every eligible linear, so a GPU run shows what the choice gained."""
+    strategies, skipped = precision_speed.build_strategies(
+        ["fp8_tensorwise", "fp8all_rowwise"], device=torch.device("cpu"), fp8_min_size=16, fp8_matmul="auto",
+        compiler="eager", fp8_select="faster")
+    assert not skipped
+    selects = {s.name: s.result["options"]["fp8"]["select"] for s in strategies}
+    assert selects == {"fp8_tensorwise": "faster", "fp8all_rowwise": "all"}
+
+
+def test_the_8b_slice_preset_and_its_checks(precision_speed):
+    parser = precision_speed.build_parser()
+    args = parser.parse_args(["--preset", "8b_slice", "--layers", "3"])
+    sizes = {k: getattr(args, k) if getattr(args, k) is not None else v
+             for k, v in precision_speed.PRESETS[args.preset].items()}
+    assert (sizes["hidden"], sizes["intermediate"], sizes["heads"], sizes["kv_heads"], sizes["layers"]) == \
+        (4096, 14336, 32, 8, 3)
+    with pytest.raises(SystemExit):
+        precision_speed.main(["--quick", "--device", "cpu", "--heads", "2", "--kv-heads", "3"])
+
+
+def test_a_grouped_query_llama_has_fewer_key_value_heads():
+    from dpcs_compiler.models import LlamaLM, LlamaSize
+
+    model = LlamaLM(LlamaSize(vocab=64, hidden=64, intermediate=96, layers=1, heads=4, seq=16, kv_heads=2))
+    attention = model.lm.model.layers[0].self_attn
+    assert (attention.q_proj.out_features, attention.k_proj.out_features, attention.v_proj.out_features) == (64, 32, 32)
+    assert model(torch.randint(0, 64, (2, 16))).isfinite()

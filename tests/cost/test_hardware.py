@@ -354,3 +354,17 @@ def test_a_matmul_table_times_each_kind_at_each_shape_and_drops_kinds_the_device
     assert all(row[3] > 0 for row in table["float32"])
     fake_profile(matmul_table=table)  # what it measures is a valid table
     assert measure_matmul_table({"float32": fp32}, ((8,), (8,)), lambda: None, _PLANS["cpu"], budget_s=0.0) == {}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_table_times_bf16_and_the_fp8_matmuls_the_device_runs():
+    from dpcs_compiler.cost.hardware import _PLANS, FP8_ROWWISE, FP8_TENSORWISE, _cuda_matmul_makers
+
+    from dpcs_compiler.cost.hardware import measure_matmul_table
+
+    table = measure_matmul_table(_cuda_matmul_makers(torch.device("cuda")), ((256,), (256, 512)),
+                                 torch.cuda.synchronize, _PLANS["cuda"], budget_s=30.0)
+    assert len(table["bfloat16"]) == 4
+    if torch.cuda.get_device_capability() >= (8, 9):  # fp8 tensor cores
+        assert len(table[FP8_TENSORWISE]) == 4 and FP8_ROWWISE in table
+    fake_profile(matmul_table=table)

@@ -170,3 +170,23 @@ def test_bad_overlap_options_are_named(kwargs, message):
     net = stack()
     with pytest.raises(ValueError, match=message):
         CompressedOptimizer(torch.optim.AdamW(net.parameters()), **kwargs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_overlapped_host_step_trains_as_the_step_in_the_foreground():
+    """Pinned host copies, side-stream fetches and gradient copies out, the host step on its thread."""
+    nets = [stack().cuda(), stack().cuda()]
+    optimizers = [optimizer_for(net, overlap=overlap, states="fp32") for net, overlap in zip(nets, (False, True))]
+    generator = torch.Generator().manual_seed(1)
+    batches = [torch.randn(8, 16, generator=generator).cuda() for _ in range(4)]
+    losses = [[], []]
+    for batch in batches:
+        for i, (net, optimizer) in enumerate(zip(nets, optimizers)):
+            loss = net(batch).square().mean()
+            loss.backward()
+            losses[i].append(loss.item())
+            optimizer.step()
+            optimizer.zero_grad()
+    optimizers[1].wait()
+    assert losses[0] == losses[1]
+    assert_same(nets[0].state_dict(), nets[1].state_dict())
