@@ -5,16 +5,17 @@
 #   OUT=/tmp/gpu bash benchmarks/gpu_session.sh [SECONDS] [STEPS...]
 #
 # SECONDS (default 400) is the deadline for the whole script; every step is cut at it. STEPS picks what runs
-# (default: all, in this order): env tests peak train cadence anatomy bench_gpt bench_llama scale precision stall. Each step's
-# own limit can be set as LIMIT_<name> (e.g. LIMIT_bench_gpt=240). PARALLEL_TIMED=1 runs anatomy, bench_gpt and
-# bench_llama at once on their own cores, their timed phases taking turns on the GPU (see below).
+# (default: all, in this order): env tests peak train cadence anatomy bench_gpt bench_llama scale model_states
+# precision stall. Each step's own limit can be set as LIMIT_<name> (e.g. LIMIT_bench_gpt=240). PARALLEL_TIMED=1
+# runs anatomy, bench_gpt and bench_llama at once on their own cores, their timed phases taking turns on the GPU
+# (see below).
 # The package is installed from this checkout (editable, no dependencies, no index: the machine has no
 # network), because torch finds the "dpcs" backend by the package's entry point. Everything lands in
 # $OUT/gpu_session.tar.gz (logs/, results/, rc.txt with each step's exit status and seconds).
 set -u
 DEADLINE=$(( $(date +%s) + ${1:-400} ))
 shift || true
-STEPS=${*:-env tests peak train cadence anatomy bench_gpt bench_llama scale precision stall}
+STEPS=${*:-env tests peak train cadence anatomy bench_gpt bench_llama scale model_states precision stall}
 EXTRA=${EXTRA:-}  # more commands to run with the first, parallel group (diagnostics): "name:command"
 OUT=${OUT:-/tmp/gpu_session}
 W=$(mktemp -d)
@@ -112,6 +113,13 @@ done
 # under one 16 GiB cap, then dpcs uncapped at each torch strategy's reserved peak (its runs compile at once and
 # time their steps in turn, on the device lock; about 5 minutes).
 wants scale && step gpu_scale 330 "${G[@]}" $PY benchmarks/gpu_scale.py --out "$W/results" --logs "$W/logs/gpu_scale" ${SCALE_ARGS:-}
+
+# Model-state levers at scale (issue 60): the 439M Llama with AdamW(fused=True) against int8 and fp16 state on
+# the device, state on the host, blocks offloaded with the host step overlapped, and dpcs's choice at 0.7x
+# AdamW's peak; writes model_states_cuda.json with the issue's targets checked.
+wants model_states && step model_states 300 "${G[@]}" $PY benchmarks/model_states.py --device cuda --models llama \
+    --strategies stateless,adamw,fp16,int8,int8_host,fp32_host,offload,offload_overlap --steps 10 --warmup 3 \
+    --loss-steps 0 --dpcs-fractions 0.7 --out "$W/results"
 
 # fp8 against bf16 speed (torchao is not on the machine's image: dpcs's own fp8 linears only), at two scales
 # (issue 61): the small Llama, where fp8's choice (fp8_*) should keep the linears fp8 loses on (fp8all_*
