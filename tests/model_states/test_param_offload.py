@@ -255,6 +255,7 @@ def test_an_offload_nobody_closed_goes_with_its_model(overlap):
     """Its hooks hold it weakly where the garbage collector cannot see them (a parameter's, torch's global
     optimizer hook): once the model and optimizer go, so do the offload and its host memory."""
     import gc
+    import time
     import weakref
 
     net = stack()
@@ -262,7 +263,12 @@ def test_an_offload_nobody_closed_goes_with_its_model(overlap):
     optimizer = CompressedOptimizer(torch.optim.AdamW(net.parameters()), states="fp32", offload=offload,
                                     overlap=overlap)
     train(net, optimizer, 2)
+    optimizer.wait()
     gone = weakref.ref(offload)
     del net, offload, optimizer
-    gc.collect()
+    for _ in range(100):  # the stepping thread lets go of its last task a moment after finishing it
+        gc.collect()
+        if gone() is None:
+            break
+        time.sleep(0.01)
     assert gone() is None
