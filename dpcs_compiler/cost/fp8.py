@@ -29,6 +29,7 @@ import dataclasses
 import math
 
 from dpcs_compiler.cost.hardware import FP8_ROWWISE, FP8_TENSORWISE, HardwareProfile
+from dpcs_compiler.cost.op_time import memory_seconds, roofline_seconds
 
 # The kind each fp8 recipe's matmuls are timed as in a profile.
 FP8_KINDS = {"tensorwise": FP8_TENSORWISE, "rowwise": FP8_ROWWISE}
@@ -77,17 +78,15 @@ def peak_seconds(profile: HardwareProfile, kind: str, m: int, k: int, n: int) ->
     """An (m x k) @ (k x n) matmul of `kind` by roofline at the profile's peak rates (the fp8 kinds at its
     float8 figure, operands of one byte, output bf16), or None if it has no figure for `kind`."""
     dtype = kind.partition(":")[0]
-    rate = profile.matmul_flops.get(dtype)
-    if rate is None:
+    if dtype not in profile.matmul_flops:  # op_time would cost it at float32's rate: here, no figure is none
         return None
     element = 1 if dtype.startswith("float8") else _ELEMENT_BYTES[dtype]
     out = 2 if dtype.startswith("float8") else element
-    moved = element * (m * k + k * n) + out * m * n
-    return profile.launch_overhead_s + max(2 * m * k * n / rate, moved / profile.memory_bandwidth)
+    return roofline_seconds(2 * m * k * n, element * (m * k + k * n) + out * m * n, dtype, profile)
 
 
-def _passes_seconds(profile: HardwareProfile, nbytes: float, kernels: int) -> float:
-    return nbytes / profile.memory_bandwidth + kernels * profile.launch_overhead_s
+def _passes_seconds(profile: HardwareProfile, nbytes: int, kernels: int) -> float:
+    return memory_seconds(nbytes, profile) + kernels * profile.launch_overhead_s
 
 
 def fp8_cast_bytes(recipe: str, m: int, k: int, n: int, activation_bytes: int) -> tuple[float, int]:

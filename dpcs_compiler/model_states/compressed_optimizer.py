@@ -191,10 +191,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if self.offload is not None:
             self.offload.settle()
         ready = [p for group in self.param_groups for p in group["params"] if self._live(p).grad is not None]
-        later = [p for p in ready if self.offload.owns(p)] if self.overlap else []
-        self._step_pieces(self._pieces([p for p in ready if not (later and self.offload.owns(p))]), None)
+        later = {id(p) for p in ready if self.overlap and self.offload.owns(p)}
+        self._step_pieces(self._pieces([p for p in ready if id(p) not in later]), None)
         if later:
-            self._step_later(later)
+            self._step_later([p for p in ready if id(p) in later])
         if self.offload is not None:
             self.offload.zero_grad()  # the host gradients are consumed (those stepped later, by that step)
 

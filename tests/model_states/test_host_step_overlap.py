@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from dpcs_compiler.model_states.compressed_optimizer import CompressedOptimizer
-from dpcs_compiler.model_states.param_offload import ParameterOffload
 from dpcs_testing import dpcs_compile
-from tests.model_states.test_param_offload import stack
+from tests.model_states.test_param_offload import offloaded, stack
 
 # A block has 1088 elements; `chunk_bytes` counts 12 bytes of state an element for AdamW (its three possible
 # moments): a chunk per block, its weight sliced in rows (once its state exists) with a third of that.
@@ -21,9 +20,7 @@ ONE_BLOCK = 1088 * 12
 
 
 def optimizer_for(net, *, overlap: bool, blocks=(0, 1, 2, 3), **options) -> CompressedOptimizer:
-    offload = ParameterOffload([net.blocks[i] for i in blocks])
-    return CompressedOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2), offload=offload, overlap=overlap,
-                               **options)
+    return offloaded(net, blocks, overlap=overlap, **options)[1]
 
 
 def run(net, optimizer, steps: int, *, micro_batches: int = 2, snapshot_at: int | None = None):
