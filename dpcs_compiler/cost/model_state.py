@@ -5,13 +5,17 @@ A lever is a format for the state tensors an optimizer may store compressed (`mo
 whether they live in host memory between steps. Stored compressed, a state is decoded and encoded again
 once per step (a chunk at a time); in host memory, it also crosses the host link both ways. Where the host
 is the device's own memory (a CPU run), host levers save nothing and are not offered.
+
+A block whose parameters are offloaded (`ParameterOffload`) costs its copies and its optimizer step on the host;
+with `CompressedOptimizer(overlap=True)` that step runs beside the next forward and costs only the wait it
+causes (`host_step_stall`), from when each block's forward starts (`block_forward_starts`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 
 FORMATS = ("fp32", "bf16", "fp16", "int8")
 _ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
@@ -86,6 +90,9 @@ class StateRates:
     # Seconds per parameter element that stepping the optimizer on the host adds over stepping it on the device
     # (a block whose parameters are offloaded is stepped where they live); 0 where the host is the device.
     host_step_seconds: float = 0.0
+    # Seconds per parameter element of that step on the device: what the device's own step no longer runs for
+    # an offloaded block (the host step in full is host_step_seconds + this). 0: not measured, not credited.
+    device_step_seconds: float = 0.0
 
 
 def stored_bytes(shape: OptimizerStateShape, fmt: str) -> int:
@@ -134,14 +141,70 @@ def added_seconds(shape: OptimizerStateShape, lever: StateLever, rates: StateRat
     return codec + 2 * stored_bytes(shape, lever.format) / rates.link_bytes_per_second
 
 
-def offload_seconds(parameter_bytes: int, gradient_bytes: int, parameter_elements: int, rates: StateRates) -> float:
-    """Seconds offloading a block's parameters adds to a step: they cross the host link twice (before its
-    forward and before its backward), its gradients once, and its optimizer step runs on the host. Counted
-    whole, as if no copy overlapped compute (they run on a side stream, so this is an upper bound)."""
+def offload_link_seconds(parameter_bytes: int, gradient_bytes: int, rates: StateRates) -> float:
+    """Seconds an offloaded block's copies take: its parameters cross the host link twice (before its forward
+    and before its backward), its gradients once. Counted whole, as if no copy overlapped compute (they run on
+    a side stream, so this is an upper bound)."""
     if rates.link_bytes_per_second is None:
         raise ValueError("offloading parameters on a device whose host is its own memory: nothing saved")
-    return ((2 * parameter_bytes + gradient_bytes) / rates.link_bytes_per_second
+    return (2 * parameter_bytes + gradient_bytes) / rates.link_bytes_per_second
+
+
+def offload_seconds(parameter_bytes: int, gradient_bytes: int, parameter_elements: int, rates: StateRates) -> float:
+    """Seconds offloading a block's parameters adds to a step: its copies (`offload_link_seconds`), and its
+    optimizer step, run on the host in the foreground, over what that step takes on the device."""
+    return (offload_link_seconds(parameter_bytes, gradient_bytes, rates)
             + parameter_elements * rates.host_step_seconds)
+
+
+def host_step_stall(host_seconds: Sequence[float], starts: Sequence[float]) -> float:
+    """Seconds the next forward waits for optimizer steps run on a background thread while it goes on
+    (`CompressedOptimizer(overlap=True)`, as ZeRO-Offload does): from the moment the step returns, the thread
+    steps the blocks one after another in the order given (the forward's), block i taking `host_seconds[i]`;
+    block i's forward would start `starts[i]` seconds after that moment and waits until its own step has
+    ended. A wait delays every later block's forward alike, so the step ends
+    max(0, max over i of (the steps of blocks 0..i) - starts[i]) later."""
+    if len(host_seconds) != len(starts):
+        raise ValueError(f"host_step_stall: {len(host_seconds)} host steps for {len(starts)} starts")
+    if any(not (h >= 0) for h in host_seconds) or any(not (s >= 0) for s in starts):
+        raise ValueError(f"host_step_stall: seconds must be >= 0; got {list(host_seconds)}, {list(starts)}")
+    ended, stall = 0.0, 0.0
+    for seconds, start in zip(host_seconds, starts):
+        ended += seconds
+        stall = max(stall, ended - start)
+    return stall
+
+
+def overlapped_host_step_seconds(elements: Sequence[int], starts: Sequence[float], rates: StateRates) -> float:
+    """Seconds the host steps of offloaded blocks, overlapped with the next forward, add to a step: the wait
+    they cause (`host_step_stall`, each block's host step in full), less what the device's own step no longer
+    runs for them; never below nothing (a step hidden whole is credited no more than its cost)."""
+    full = [n * (rates.host_step_seconds + rates.device_step_seconds) for n in elements]
+    return max(0.0, host_step_stall(full, starts) - sum(elements) * rates.device_step_seconds)
+
+
+def block_forward_starts(call_forward_seconds: Sequence[float], call_parameter_bytes: Sequence[int],
+                         call_blocks: Sequence[Sequence[int]], block_bytes: Sequence[int]) -> list[float]:
+    """When each block's forward starts, in seconds after the step's first forward starts, from the forward
+    seconds of each call and the blocks each call takes (indices into `block_bytes`, in the order it runs them):
+    at the start of the first call that takes it, plus the part of that call's forward that the blocks before
+    it in the call take, in proportion to parameter bytes (a layer's forward is about its weights' bytes times
+    the tokens). The call's other parameters (an embedding, a head) are placed after its blocks, so a block is
+    never placed later than its share of the time allows: an estimate on the early side, which credits
+    overlap least. A block no call takes starts at 0."""
+    if not len(call_forward_seconds) == len(call_parameter_bytes) == len(call_blocks):
+        raise ValueError("block_forward_starts: one forward time, parameter bytes and block list per call")
+    starts: list[float | None] = [None] * len(block_bytes)
+    begun = 0.0
+    for seconds, parameter_bytes, taken in zip(call_forward_seconds, call_parameter_bytes, call_blocks):
+        before = 0
+        for index in taken:
+            if starts[index] is None:
+                share = before / max(parameter_bytes, before + block_bytes[index])
+                starts[index] = begun + seconds * share
+            before += block_bytes[index]
+        begun += seconds
+    return [0.0 if s is None else s for s in starts]
 
 
 def levers(host_is_device: bool) -> list[StateLever]:

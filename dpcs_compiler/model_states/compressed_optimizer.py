@@ -667,8 +667,8 @@ def decompress_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
 @functools.cache
 def measured_state_rates(device: str) -> StateRates:
     """Seconds per element to encode and decode each format on `device`, its host link's bytes per second and
-    what an AdamW step on the host adds over one on the device per element (None and 0 on CPU, where the host
-    is the device's memory): timed once per process on 2**18 elements."""
+    what an AdamW step on the host adds over one on the device per element, and the one on the device (None,
+    0 and 0 on CPU, where the host is the device's memory): timed once per process on 2**18 elements."""
     values = torch.randn(1 << 18, device=device)
 
     def seconds(fn) -> float:
@@ -689,7 +689,7 @@ def measured_state_rates(device: str) -> StateRates:
         encoded = encode(values, fmt)
         encode_seconds[fmt] = seconds(lambda: encode(values, fmt, out=encoded))
         decode_seconds[fmt] = seconds(lambda: decode(encoded))
-    link, host_step = None, 0.0
+    link, host_step, device_step = None, 0.0, 0.0
     if values.is_cuda:
         host = torch.empty(values.numel(), pin_memory=True)
         link = values.nbytes / seconds(lambda: values.copy_(host, non_blocking=True)) / values.numel()
@@ -700,5 +700,5 @@ def measured_state_rates(device: str) -> StateRates:
             param.grad = torch.randn_like(param)
             adamw = torch.optim.AdamW([param])
             steps.append(seconds(adamw.step))
-        host_step = max(0.0, steps[0] - steps[1])
-    return StateRates(encode_seconds, decode_seconds, link, host_step)
+        host_step, device_step = max(0.0, steps[0] - steps[1]), steps[1]
+    return StateRates(encode_seconds, decode_seconds, link, host_step, device_step)

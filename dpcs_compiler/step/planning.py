@@ -37,11 +37,13 @@ from dpcs_compiler.cost.model_state import (
     StateLever,
     StateRates,
     added_seconds,
+    block_forward_starts,
     codec_rates,
     device_bytes,
     estimated_step_transient,
     levers,
-    offload_seconds,
+    offload_link_seconds,
+    overlapped_host_step_seconds,
 )
 from dpcs_compiler.model_states.compressed_optimizer import CompressedOptimizer, measured_state_rates
 from dpcs_compiler.debug import progress
@@ -125,13 +127,63 @@ def _host_link(profile: Any) -> float | None:
     return min(profile.host_to_device, profile.device_to_host)
 
 
-def chosen_blocks(blocks: dict[tuple[int, int], _Block], shapes: Sequence[StepShape]) -> list[tuple[int, int]]:
+def chosen_blocks(blocks: dict[tuple[int, int], _Block], shapes: Sequence[StepShape],
+                  overlapped: frozenset[tuple[int, int]] = frozenset()) -> list[tuple[int, int]]:
     """The blocks the planner chooses about (`ParameterOffload(auto=True)`) in the order it offloads them: the
-    largest first (the fewest transfers for the bytes), then in the order the steps take them. The same on
-    every rank of a job running the same model."""
+    largest first (the fewest transfers for the bytes), then in the order the steps take them, but the last
+    first among blocks whose host step overlaps the next forward (`overlapped`: the later a block's forward,
+    the more of its step that forward hides). The same on every rank of a job running the same model."""
     names = list(dict.fromkeys(n for s in shapes if s.offload_blocks for n in s.offload_blocks.names))
     chosen = [n for n in names if n in blocks and blocks[n].chosen]
-    return sorted(chosen, key=lambda n: -blocks[n].parameter_bytes)
+    position = {n: i for i, n in enumerate(chosen)}
+    return sorted(chosen, key=lambda n: (-blocks[n].parameter_bytes, -position[n] if n in overlapped else position[n]))
+
+
+def overlapped_blocks(optimizers: Sequence[torch.optim.Optimizer],
+                      blocks: dict[tuple[int, int], _Block]) -> frozenset[tuple[int, int]]:
+    """The blocks whose optimizer step, when they are offloaded, runs beside the next forward: those of the
+    ParameterOffload of a `CompressedOptimizer(overlap=True)` of the step."""
+    offloads = {id(o.offload) for o in _distinct(optimizers)
+                if isinstance(o, CompressedOptimizer) and o.overlap and o.offload is not None}
+    return frozenset(n for n, b in blocks.items() if id(b.offload()) in offloads)
+
+
+def forward_starts(shapes: Sequence[StepShape], graphs: dict[str, GraphStep]) -> dict[tuple[int, int], float]:
+    """When each ParameterOffload block's forward starts, in seconds after the step's first forward starts
+    (`cost.model_state.block_forward_starts`, from the forward seconds the graphs' cost model gives each call):
+    the earliest over the step's shapes, which credits overlap least."""
+    starts: dict[tuple[int, int], float] = {}
+    for shape in shapes:
+        blocks = shape.offload_blocks
+        if blocks is None:
+            continue
+        seconds = [float(graphs[k].problem.step_seconds[:graphs[k].problem.backward_start].sum())
+                   for k in shape.instances]
+        at = block_forward_starts(seconds, shape.call_parameter_bytes, [sorted(u) for u in blocks.uses],
+                                  blocks.parameter_bytes)
+        for name, start in zip(blocks.names, at):
+            starts[name] = min(start, starts.get(name, start))
+    return starts
+
+
+def offloading_seconds(chosen: Sequence[tuple[int, int]], forced: frozenset[tuple[int, int]],
+                       blocks: dict[tuple[int, int], _Block], rates: StateRates,
+                       overlapped: frozenset[tuple[int, int]], starts: dict[tuple[int, int], float]) -> float:
+    """Seconds offloading the `chosen` blocks adds to a step where the `forced` ones are offloaded anyway: their
+    copies, and their optimizer steps on the host, in the foreground or, for the `overlapped` blocks, beside the
+    next forward (the wait they add to the forced blocks' own, the blocks stepped in the order the forward
+    starts them, `starts`)."""
+    if not chosen:
+        return 0.0
+    seconds = sum(offload_link_seconds(blocks[n].parameter_bytes, blocks[n].gradient_bytes, rates) for n in chosen)
+    seconds += sum(blocks[n].parameter_elements * rates.host_step_seconds for n in chosen if n not in overlapped)
+
+    def behind(out: Sequence[tuple[int, int]]) -> float:
+        queue = sorted((n for n in out if n in overlapped), key=lambda n: starts.get(n, 0.0))
+        return overlapped_host_step_seconds([blocks[n].parameter_elements for n in queue],
+                                            [starts.get(n, 0.0) for n in queue], rates)
+
+    return seconds + max(0.0, behind([*forced, *chosen]) - behind(list(forced)))
 
 
 def _plan_with_model_state(
@@ -154,7 +206,8 @@ def _plan_with_model_state(
     Returns the shapes as planned (the choice counted in), the plan, and what was chosen (None without
     optimizers or blocks)."""
     now = _offloaded_now()
-    candidates = chosen_blocks(blocks, shapes)
+    overlapped = overlapped_blocks(optimizers, blocks) if link_bytes_per_second is not None else frozenset()
+    candidates = chosen_blocks(blocks, shapes, overlapped)
     forced = frozenset(n for s in shapes if s.offload_blocks for n in s.offload_blocks.names
                        if n in now and n not in candidates)
     auto = [o for o in optimizers if isinstance(o, CompressedOptimizer) and o.auto]
@@ -172,6 +225,7 @@ def _plan_with_model_state(
                           else (timed.encode_seconds, timed.decode_seconds))
         rates = StateRates(encode, decode, link_bytes_per_second, timed.host_step_seconds if timed else 0.0)
     offloadable = len(candidates) if link_bytes_per_second is not None else 0
+    starts = forward_starts(shapes, graphs) if overlapped else {}
     state_levers: list[StateLever | None] = list(levers(host_is_device=link_bytes_per_second is None)) if auto else [None]
 
     plans: dict[tuple, tuple[list[StepShape], Any]] = {}
@@ -183,8 +237,7 @@ def _plan_with_model_state(
         fixed = sum(o.device_state_bytes(ids) if isinstance(o, CompressedOptimizer) else _one_state_bytes(o)
                     for o in _distinct(optimizers) if o not in auto)
         kept = sum(b.parameter_bytes + b.gradient_bytes for n, b in blocks.items() if n in candidates[k:])
-        moved = sum(offload_seconds(blocks[n].parameter_bytes, blocks[n].gradient_bytes,
-                                    blocks[n].parameter_elements, rates) for n in candidates[:k])
+        moved = offloading_seconds(candidates[:k], forced, blocks, rates, overlapped, starts)
         counts = [o.state_shape(ids) for o in auto]
         for lever in state_levers:
             state = fixed + (sum(device_bytes(c, lever) for c in counts) if lever is not None else 0)
@@ -226,6 +279,7 @@ def _plan_with_model_state(
     return counted, plan, {
         "chosen": True, "format": lever.format if lever else None, "on_host": lever.on_host if lever else None,
         "offloaded_blocks": k, "offloadable_blocks": len(candidates),
+        "host_step_overlapped": bool(overlapped & set(candidates)),
         "bytes": state_of[choice.lever], "seconds": choice.state_seconds,
         "activation_seconds": choice.step.activation_seconds,
         "options": [[_describe(o, len(candidates)), nbytes, seconds] for o, nbytes, seconds in options],
@@ -379,7 +433,8 @@ class Planning:
                     if isinstance(optimizer, CompressedOptimizer) and optimizer.auto:
                         optimizer.use(lever)
             if chosen["offloadable_blocks"]:
-                out = set(chosen_blocks(self.blocks, shapes)[:chosen["offloaded_blocks"]])
+                order = chosen_blocks(self.blocks, shapes, overlapped_blocks(optimizers, self.blocks))
+                out = set(order[:chosen["offloaded_blocks"]])
                 for po in {b.offload() for b in self.blocks.values() if b.chosen} - {None}:
                     po.use([m for m in po.modules if (id(po), id(m)) in out])
             self._note_planned(planned, optimizers)  # as they keep their state now

@@ -9,11 +9,14 @@ from dpcs_compiler.cost.model_state import (
     StateLever,
     StateRates,
     added_seconds,
+    block_forward_starts,
     codec_rates,
     device_bytes,
     estimated_step_transient,
+    host_step_stall,
     levers,
     offload_seconds,
+    overlapped_host_step_seconds,
     step_transient_bytes,
     stored_bytes,
 )
@@ -58,6 +61,43 @@ def test_an_offloaded_block_crosses_the_link_twice_its_gradients_once_and_steps_
     assert offload_seconds(4_000_000, 4_000_000, 1_000_000, rates) == pytest.approx(12e6 / 20e9 + 1e-3)
     with pytest.raises(ValueError, match="host is its own memory"):
         offload_seconds(1, 1, 1, StateRates(RATES.encode_seconds, RATES.decode_seconds, None))
+
+
+def test_a_host_step_beside_the_forward_costs_the_longest_wait_of_a_block_for_its_step():
+    # The thread steps blocks of 1 s each; their forwards start at 0.5, 1.0, 1.5 s: block 2's step ends at 3 s,
+    # 1.5 s after its forward would start (the earlier blocks wait 0.5 and 1 s; the waits do not add up).
+    assert host_step_stall([1.0, 1.0, 1.0], [0.5, 1.0, 1.5]) == pytest.approx(1.5)
+    assert host_step_stall([1.0, 1.0, 1.0], [1.0, 2.0, 3.0]) == 0.0  # each step ends as its forward starts
+    assert host_step_stall([0.1, 0.1, 2.0], [1.0, 2.0, 3.0]) == pytest.approx(0.0)  # hidden behind the forward
+    assert host_step_stall([3.0, 0.1], [0.0, 5.0]) == pytest.approx(3.0)  # the first forward waits for its step
+    assert host_step_stall([], []) == 0.0
+    with pytest.raises(ValueError, match="2 host steps for 1 starts"):
+        host_step_stall([1.0, 1.0], [0.0])
+    with pytest.raises(ValueError, match="seconds must be >= 0"):
+        host_step_stall([-1.0], [0.0])
+
+
+def test_an_overlapped_host_step_is_credited_what_the_forward_hides_and_what_the_device_no_longer_steps():
+    rates = StateRates(RATES.encode_seconds, RATES.decode_seconds, 20e9, host_step_seconds=1e-9,
+                       device_step_seconds=1e-10)
+    elements = [1_000_000, 1_000_000]  # 1.1 ms each in full on the host, 0.1 ms on the device
+    whole = sum(offload_seconds(0, 0, n, rates) for n in elements)
+    assert whole == pytest.approx(2e-3)
+    # Nothing hides it (both forwards start at once): it waits for the whole host step, less the device's.
+    assert overlapped_host_step_seconds(elements, [0.0, 0.0], rates) == pytest.approx(2.2e-3 - 0.2e-3)
+    # The first block's forward takes 1 ms: the second waits 1.2 ms in all.
+    assert overlapped_host_step_seconds(elements, [0.0, 1e-3], rates) == pytest.approx(1.2e-3 - 0.2e-3)
+    assert overlapped_host_step_seconds(elements, [5e-3, 6e-3], rates) == 0.0  # hidden whole, credited no more
+
+
+def test_a_blocks_forward_starts_at_its_calls_start_plus_the_share_of_the_blocks_before_it():
+    # Call 0 (1 s) takes blocks 0 and 1 and an embedding as large as a block; call 1 (2 s) takes block 2.
+    starts = block_forward_starts([1.0, 2.0], [300, 100], [[0, 1], [2]], [100, 100, 100])
+    assert starts == pytest.approx([0.0, 1.0 / 3, 1.0])  # the embedding's share placed after the blocks
+    # A block taken again by a later call keeps its first start; one no call takes starts at 0.
+    assert block_forward_starts([1.0, 1.0], [100, 100], [[0], [0]], [100, 50]) == pytest.approx([0.0, 0.0])
+    with pytest.raises(ValueError, match="one forward time"):
+        block_forward_starts([1.0], [], [[0]], [1])
 
 
 def test_bad_values_are_named():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import pytest
 import torch
 
 from dpcs_compiler.cost.profiles import BUILTIN_PROFILES
@@ -130,7 +131,7 @@ class _Stack(torch.nn.Module):
 
 
 def train_offloaded(budget: int, prefetch: int | None, on_infeasible: str = "error", auto: bool = False,
-                    **options) -> dict:
+                    overlap: bool = False, **options) -> dict:
     """STEPS steps of the stack through dpcs with its blocks' parameters offloaded (prefetch None: not
     offloaded; auto: as the step planner chooses), then one more (forward, backward and the optimizer's step)
     measured (parameters and state on the device counted in)."""
@@ -139,7 +140,8 @@ def train_offloaded(budget: int, prefetch: int | None, on_infeasible: str = "err
     torch.manual_seed(0)
     net = _Stack()
     offload = ParameterOffload(list(net.blocks), prefetch=prefetch, auto=auto) if prefetch is not None else None
-    optimizer = CompressedOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-3), states="fp32", offload=offload)
+    optimizer = CompressedOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-3), states="fp32", offload=offload,
+                                    overlap=overlap)
     compiled = dpcs_compile(net, memory_budget=budget, on_infeasible=on_infeasible, **options)
     x = torch.randn(64, 16)
 
@@ -220,6 +222,39 @@ def test_the_step_planner_chooses_which_blocks_to_offload():
     with expecting_best_plan():  # the reference CPU: host is the device
         on_cpu = train_offloaded(budget, 1, auto=True, on_infeasible="best")
     assert on_cpu["offloaded"] == [] and on_cpu["record"].optimizer_state["offloadable_blocks"] == 4
+
+
+def test_a_host_step_overlapped_with_the_next_forward_is_planned_at_the_wait_it_causes(monkeypatch):
+    """CompressedOptimizer(overlap=True) steps the offloaded blocks on the host beside the next forward: the
+    planner counts each offloading option at the wait that causes (`cost.model_state.host_step_stall`), not
+    the whole host step, so its options cost less than without overlap, and no less than their copies. The
+    host step's rate is this machine's timing (none on CPU, where the host is the device): made slow here."""
+    from dpcs_compiler.cost.model_state import StateRates
+    from dpcs_compiler.step import planning
+
+    rates = dict.fromkeys(("fp32", "bf16", "fp16", "int8"), 1e-9)
+    host_step = 1e-7  # about 50 ms a block's host step: more than the whole forward's estimate, so it waits
+    monkeypatch.setattr(planning, "measured_state_rates", lambda device: StateRates(
+        rates, rates, None, host_step_seconds=host_step, device_step_seconds=1e-9))
+    kept = train_offloaded(10**9, 1, auto=True, hardware_profile=LINKED_PROFILE)
+    block = sum(p.numel() * 4 for p in _Block(256).parameters())
+    budget = kept["measured"] - 2 * block
+    runs = {overlap: train_offloaded(budget, 1, auto=True, overlap=overlap, hardware_profile=LINKED_PROFILE)
+            for overlap in (False, True)}
+    plain, overlapped = (runs[o]["record"].optimizer_state for o in (False, True))
+    print(f"options without overlap {plain['options']}; with overlap {overlapped['options']}")
+    assert not plain["host_step_overlapped"] and overlapped["host_step_overlapped"]
+    assert [o[:2] for o in plain["options"]] == [o[:2] for o in overlapped["options"]]
+    elements = sum(p.numel() for p in _Block(256).parameters())
+    copies = 3 * block / LINKED_PROFILE.host_to_device  # parameters twice, gradients once
+    for (name, _, whole), (_, _, waited) in zip(plain["options"], overlapped["options"]):
+        k = int(name.split(" of ")[0].split()[-1])  # "k of 4 blocks offloaded"
+        assert whole == pytest.approx(k * (copies + elements * host_step)), name
+        assert k * copies - 1e-12 <= waited <= whole + 1e-12, name
+        if k:  # the last blocks are offloaded first: the forwards of those before them hide part of their steps
+            assert waited < whole, name
+    for run in runs.values():
+        assert run["record"].feasible and run["measured"] <= budget
 
 
 def train_stack(budget: int, make_optimizer, on_infeasible: str = "error") -> dict:
