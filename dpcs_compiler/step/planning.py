@@ -223,7 +223,8 @@ def _plan_with_model_state(
                  if memory_bandwidth is None or link_bytes_per_second is not None else None)
         encode, decode = (codec_rates(memory_bandwidth) if memory_bandwidth is not None
                           else (timed.encode_seconds, timed.decode_seconds))
-        rates = StateRates(encode, decode, link_bytes_per_second, timed.host_step_seconds if timed else 0.0)
+        rates = StateRates(encode, decode, link_bytes_per_second, timed.host_step_seconds if timed else 0.0,
+                           timed.device_step_seconds if timed else 0.0)
     offloadable = len(candidates) if link_bytes_per_second is not None else 0
     starts = forward_starts(shapes, graphs) if overlapped else {}
     state_levers: list[StateLever | None] = list(levers(host_is_device=link_bytes_per_second is None)) if auto else [None]

@@ -231,11 +231,15 @@ def test_a_host_step_overlapped_with_the_next_forward_is_planned_at_the_wait_it_
     host step's rate is this machine's timing (none on CPU, where the host is the device): made slow here."""
     from dpcs_compiler.cost.model_state import StateRates
     from dpcs_compiler.step import planning
+    from dpcs_compiler.step.planning import offloading_seconds
 
     rates = dict.fromkeys(("fp32", "bf16", "fp16", "int8"), 1e-9)
     host_step = 1e-7  # about 50 ms a block's host step: more than the whole forward's estimate, so it waits
     monkeypatch.setattr(planning, "measured_state_rates", lambda device: StateRates(
         rates, rates, None, host_step_seconds=host_step, device_step_seconds=1e-9))
+    priced = []  # the rates each option is priced with: this machine's host and device step, the profile's link
+    monkeypatch.setattr(planning, "offloading_seconds",
+                        lambda *args: priced.append(args[3]) or offloading_seconds(*args))
     kept = train_offloaded(10**9, 1, auto=True, hardware_profile=LINKED_PROFILE)
     block = sum(p.numel() * 4 for p in _Block(256).parameters())
     budget = kept["measured"] - 2 * block
@@ -255,6 +259,8 @@ def test_a_host_step_overlapped_with_the_next_forward_is_planned_at_the_wait_it_
             assert waited < whole, name
     for run in runs.values():
         assert run["record"].feasible and run["measured"] <= budget
+    assert {(r.host_step_seconds, r.device_step_seconds, r.link_bytes_per_second) for r in priced} == {
+        (host_step, 1e-9, LINKED_PROFILE.host_to_device)}
 
 
 def train_stack(budget: int, make_optimizer, on_infeasible: str = "error") -> dict:

@@ -610,3 +610,39 @@ def test_a_process_that_ends_while_a_step_is_measured_exits_cleanly():
                           timeout=300)
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     assert done.stdout.strip() == "trained"
+
+
+def test_an_overlapped_host_step_is_priced_at_its_wait_and_the_last_blocks_are_offloaded_first():
+    """`offloading_seconds`: an offloaded block costs its copies and its host step, whole in the foreground;
+    overlapped with the next forward, only the wait it adds (beside blocks offloaded anyway) less the device
+    step it no longer takes. `chosen_blocks` offloads the last of equal blocks first where that step overlaps."""
+    import types
+    import weakref
+
+    from dpcs_compiler.cost.model_state import StateRates
+    from dpcs_compiler.step.holdings import _Block
+    from dpcs_compiler.step.planning import chosen_blocks, offloading_seconds
+
+    module = torch.nn.Linear(1, 1)
+    names = [("offload", i) for i in range(3)]
+    blocks = {n: _Block(weakref.ref(module), weakref.ref(module), 4000, 1000, 4000, 0, True) for n in names}
+    rates = StateRates({}, {}, 1e9, host_step_seconds=1e-6, device_step_seconds=1e-7)  # 1.1 ms a block on the host
+    starts = dict(zip(names, (0.0, 1e-3, 2e-3)))  # each block's forward takes 1 ms
+    copies = (2 * 4000 + 4000) / 1e9
+    b0, b1, b2 = names
+
+    def seconds(chosen, overlapped=frozenset(names), forced=frozenset()):
+        return offloading_seconds(chosen, forced, blocks, rates, overlapped, starts)
+
+    assert seconds([b2], overlapped=frozenset()) == pytest.approx(copies + 1e-3)  # in the foreground, whole
+    assert seconds([b0]) == pytest.approx(copies + 1e-3)  # the first forward waits for all of it
+    assert seconds([b2]) == pytest.approx(copies)  # two blocks' forwards hide it
+    # All three: the last waits 3.3 - 2 ms, the most of any; less the device's 0.3 ms.
+    assert seconds([b0, b1, b2]) == pytest.approx(3 * copies + 1.0e-3)
+    # Beside b0, offloaded anyway (its wait 1.0 ms), b1 adds 1.2 - 1.1 ms of wait and takes 0.1 ms off the device.
+    assert seconds([b1], forced=frozenset({b0})) == pytest.approx(copies)
+    assert seconds([]) == 0.0
+
+    shapes = [types.SimpleNamespace(offload_blocks=types.SimpleNamespace(names=tuple(names)))]
+    assert chosen_blocks(blocks, shapes) == [b0, b1, b2]
+    assert chosen_blocks(blocks, shapes, frozenset(names)) == [b2, b1, b0]
