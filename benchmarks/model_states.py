@@ -61,6 +61,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script from a checkout without the package installed
     sys.path.insert(0, str(REPO))
+if str(REPO / "benchmarks") not in sys.path:  # its neighbours (gpu_scale), also when loaded from a file
+    sys.path.append(str(REPO / "benchmarks"))
 
 from dpcs_compiler.measure import measure_peak_memory, optimizer_state_bytes, resident_bytes  # noqa: E402
 from dpcs_compiler.models import (  # noqa: E402
@@ -283,12 +285,14 @@ def targets(rows: dict[str, dict]) -> dict[str, dict]:
 def gpu_scale_llama(*, tiny: bool = False) -> Workload:
     """The GPU-scale benchmark's transformers Llama (`benchmarks/gpu_scale.py`: 439M parameters, batch 8 x 2048
     tokens), or a tiny one of the same shape of code for CPU tests. Its forward returns the LM loss."""
+    from gpu_scale import Scale  # benchmarks/gpu_scale.py: its model and batch, and its quick stand-in
+
+    scale = Scale.quick() if tiny else Scale()
     generator = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
-    size = (LlamaSize(vocab=256, hidden=64, intermediate=176, layers=2, heads=4, seq=64) if tiny
-            else LlamaSize(vocab=32000, hidden=2048, intermediate=5632, layers=6, heads=16, seq=2048))
-    batch = 2 if tiny else 8
-    ids = torch.randint(0, size.vocab, (batch, size.seq), generator=generator)
+    size = LlamaSize(vocab=scale.vocab, hidden=scale.hidden, intermediate=scale.intermediate, layers=scale.layers,
+                     heads=scale.heads, seq=scale.seq)
+    ids = torch.randint(0, size.vocab, (scale.batch, size.seq), generator=generator)
     return Workload("llama_tiny" if tiny else "llama", LlamaLM(size), (ids,), _identity)
 
 

@@ -43,6 +43,7 @@ from dpcs_compiler.cost.model_state import (
     estimated_step_transient,
     levers,
     offload_link_seconds,
+    offload_seconds,
     overlapped_host_step_seconds,
 )
 from dpcs_compiler.model_states.compressed_optimizer import CompressedOptimizer, measured_state_rates
@@ -175,8 +176,9 @@ def offloading_seconds(chosen: Sequence[tuple[int, int]], forced: frozenset[tupl
     starts them, `starts`)."""
     if not chosen:
         return 0.0
-    seconds = sum(offload_link_seconds(blocks[n].parameter_bytes, blocks[n].gradient_bytes, rates) for n in chosen)
-    seconds += sum(blocks[n].parameter_elements * rates.host_step_seconds for n in chosen if n not in overlapped)
+    seconds = sum(offload_link_seconds(blocks[n].parameter_bytes, blocks[n].gradient_bytes, rates) if n in overlapped
+                  else offload_seconds(blocks[n].parameter_bytes, blocks[n].gradient_bytes,
+                                       blocks[n].parameter_elements, rates) for n in chosen)
 
     def behind(out: Sequence[tuple[int, int]]) -> float:
         queue = sorted((n for n in out if n in overlapped), key=lambda n: starts.get(n, 0.0))
