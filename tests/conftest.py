@@ -82,6 +82,14 @@ SLOW_IN_DEFAULT_RUN = frozenset({
     "tests/e2e/test_budget_property.py::test_a_random_budget_is_kept_or_refused[one_graph]",  # [graph_breaks]
     "tests/e2e/test_correctness.py::test_dynamic_true_from_the_start",  # test_step_budget's dynamic lengths
     "tests/runtime/test_step_ranks.py::test_ddp_buckets_share_one_step_budget_on_every_rank",  # DDP refused, switches
+    # Then 633 s: these too.
+    "tests/runtime/test_runtime.py::test_step_times_per_variant_fit_the_costs_of_later_plans",
+    "tests/runtime/test_runtime.py::test_a_calibration_whose_plans_measure_slower_is_dropped_and_not_applied_again",
+    "tests/integrations/test_hf_trainer.py::test_a_resumed_trainer_restores_the_runtime",  # test_checkpoint's resumes
+    "tests/runtime/test_step.py::test_a_dumped_step_plan_says_what_its_compiled_variants_predict",  # docs' dump.sh
+    "tests/e2e/test_step_budget.py::test_the_step_record_names_the_peak_and_each_graphs_context",
+    "tests/e2e/test_hardware_profiles.py::test_a_cpu_profile_plans_no_offload_and_names_no_other_device",
+    "tests/distributed/test_cadence_ranks.py::test_weighted_sync_equals_one_big_batch_of_every_rank_s_samples[eager]",
 })
 
 
