@@ -212,8 +212,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """Offloaded `params` stepped on the background thread, in the order the last forward used them, with
         the hyperparameters as they are now."""
         assert self.offload is not None
-        order = {id(p): i for i, p in enumerate(p for m in (self.offload._order or self.offload.modules)
-                                                for p in self.offload.params[m])}
+        order = {id(p): i for i, p in enumerate(p for m in self.offload.forward_order() for p in self.offload.params[m])}
         params = sorted(params, key=lambda p: order.get(id(p), len(order)))
         groups = [{**pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v,
                                      {k: v for k, v in group.items() if k != "params"}),

@@ -325,6 +325,10 @@ class ParameterOffload:
         param.untyped_storage().resize_(0)
         self._resident.discard(key)
 
+    def forward_order(self) -> list[nn.Module]:
+        """The offloaded modules in the order the last whole forward ran them (before one has: as given)."""
+        return list(self._order or self.modules)
+
     def neighbours(self, module: nn.Module, direction: int) -> list[nn.Module]:
         """The `prefetch` modules after (direction +1) or before (-1) `module` in the last forward's order."""
         order = self._order or self._this_forward

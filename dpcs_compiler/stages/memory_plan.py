@@ -216,16 +216,17 @@ def _step_view(job: GraphJob, joint: fx.GraphModule, num_fwd_outputs: int, devic
                       f"{error}): its step is planned with its {job.options.compiler} graph, which can hold more",
                       category=DpcsWarning, stacklevel=2)
         return None
-    partition = None
+    partition: Callable[[], TorchLevels | None] | None = None
     if torch_levels is not None:
         # The graph and its view until its partition is made (only then: a min-cut), then the partition.
         pending: list[Any] = [(compiled_joint, view)]
 
-        def partition() -> TorchLevels | None:
+        def made_once() -> TorchLevels | None:
             if isinstance(pending[0], tuple):
                 pending[0] = _view_torch_levels(job, *pending[0], compiler, torch_levels, hints)
             return pending[0]
 
+        partition = made_once
     return StepView(view.problem, step_sharing(view.planning, num_fwd_outputs), tuple(n.name for n in view.schedule.nodes),
                     partition)
 
