@@ -208,6 +208,7 @@ class PartCompiler:
                 # is generated for it.
                 probe = stack.enter_context(probe_scheduled_peak(
                     resident=resident, present=present, workspace=self.job.kernel_workspace,
+                    storages=self.job.input_storages.get(kind),
                     check=None if gate is not None or guard_if_over else lambda peak: self.check_schedule(kind, peak),
                 ))
                 if guard_if_over:

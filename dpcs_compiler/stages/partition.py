@@ -135,6 +135,7 @@ class JointPartitioner(CustomPartitionerFn):
                 "forward": (frozenset(p.name for p in step.resident), frozenset()),
                 "backward": (resident, frozenset(p.name for p in step.receives) - resident),
             }
+            job.input_storages = {"backward": backward_input_storages(step, live, resident)}
             job.record.partition_peak_bytes = timeline.peak_bytes
             job.record.predicted_peak_bytes = job.plan.predicted_peak_bytes
             job.record.peak_node = job.plan.peak_node
@@ -242,6 +243,22 @@ def resident_backward_inputs(step: Schedule, live: Any) -> frozenset[str]:
     resident = set(step.resident)
     return frozenset(p.name for p, src in step.receives.items()
                      if all(b.producer in resident for b in live.references.get(src, ())))
+
+
+def backward_input_storages(step: Schedule, live: Any, resident: frozenset[str]) -> dict[str, tuple[str, int]]:
+    """The backward's inputs that point into a storage another of its inputs points into too (a saved `view`
+    and its `permute`): input name -> (the storage's key, its bytes), for Inductor's schedule to count each
+    storage once (`inductor_schedule._input_buffers`). Resident inputs are left out (never freed)."""
+    by_storage: dict[tuple[str, ...], list[str]] = {}
+    nbytes: dict[tuple[str, ...], int] = {}
+    for p, src in step.receives.items():
+        buffers = sorted(live.references.get(src, ()), key=lambda b: b.producer.name)
+        if p.name in resident or not buffers:
+            continue
+        key = tuple(b.producer.name for b in buffers)
+        by_storage.setdefault(key, []).append(p.name)
+        nbytes[key] = sum(live.hint(b) for b in buffers)
+    return {name: ("+".join(key), nbytes[key]) for key, names in by_storage.items() if len(names) > 1 for name in names}
 
 
 def torch_decisions(joint: fx.GraphModule, forward: fx.GraphModule, num_fwd_outputs: int, planning: PlanningGraph,
