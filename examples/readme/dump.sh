@@ -6,8 +6,8 @@ repo="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$(mktemp -d)"
 ln -s "$repo/examples" examples
 
-dpcs dump examples/train_gpt.py --steps 2 --compiler eager   # runs the script with dumping on, into ./dpcs_dump
-dpcs show dpcs_dump                                          # summary: graphs, node counts, saved bytes, predicted peak, pass times
+dpcs dump examples/train_gpt.py --steps 2 --layers 1 --batch 2 --compiler eager   # runs the script with dumping on, into ./dpcs_dump
+dpcs show dpcs_dump                                                               # summary: graphs, node counts, saved bytes, predicted peak, pass times
 
 ls dpcs_dump/graph_*/00_plan.json dpcs_dump/graph_*/*_memory_timeline.png > /dev/null
 echo "dumped $(ls -d dpcs_dump/graph_* | wc -l) graph folder(s)"

@@ -9,7 +9,7 @@ ln -s "$repo/examples" examples
 dpcs hardware                         # the profile in use here, where it came from, its short hash
 dpcs hardware --json > profile.json   # write it to a file; pin it with hardware_profile="profile.json"
 dpcs hardware --profile h100          # a built-in one; --refresh measures this device again
-DPCS_HARDWARE_PROFILE=h100 dpcs dump examples/train_gpt.py --steps 3 --compiler eager   # the plan an H100 would run
+DPCS_HARDWARE_PROFILE=h100 dpcs dump examples/train_gpt.py --steps 2 --layers 1 --batch 2 --compiler eager   # the plan an H100 would run
 
 python - <<'PY'
 import json, pathlib

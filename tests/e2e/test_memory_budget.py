@@ -165,7 +165,9 @@ def test_infeasible_budget_best_compiles_the_lowest_plan_with_a_warning():
 @pytest.mark.inductor
 def test_inductor_plan_within_budget_and_prediction():
     w = gpt_workload()
-    low, high = reachable_range(w, "inductor")
+    # (eager's range: within a few percent of Inductor's, and no Inductor compile; the mid budget is between
+    # Inductor's lowest and highest plans too, which the recomputation asserted below shows)
+    low, high = reachable_range(w, "eager")
     budget = (low + high) // 2
     result, record = measured_step(w, "inductor", memory_budget=budget)
     assert record.plan_feasible and record.recomputed_values > 0
@@ -353,7 +355,8 @@ def test_compiled_graphs_over_the_plan_after_the_last_replan_error_or_warn(monke
     import dpcs_compiler.stages.job as job
 
     w = gpt_workload()
-    low, high = reachable_range(w, "inductor")
+    # (eager's range: within a few percent of Inductor's, and no Inductor compile; the mid budget is met either way)
+    low, high = reachable_range(w, "eager")
     budget = (low + high) // 2
     inflate(monkeypatch, "backward", (high - low) // 4)
     monkeypatch.setattr(job, "MAX_SCHEDULE_REPLANS", 0)
