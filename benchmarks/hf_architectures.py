@@ -10,7 +10,8 @@ the gradients checked finite only), and is called as users call it:
 Per model: the unbudgeted dpcs step's measured peak, then dpcs at `--fraction` of it (on_infeasible="best")
 after `--steps` steps, measured with the CPU profiler on top of the parameters, buffers and batch alive before
 it (the profiler keeps dpcs's own check of the planned step from running: `step/meter.py::_Meter`), its
-gradients against eager's, its step plan's prediction, and whether the budget held. Writes
+gradients against eager's, its step plan's prediction (as its variants compiled, where it was predicted again from them;
+the plan's own in `planned_bytes`), and whether the budget held. Writes
 hf_architectures_<compiler>.json (hf_architectures_<compiler>_train.json with `--train`).
 """
 
@@ -179,7 +180,11 @@ def one(build: Callable, compiler: str, fraction: float, steps: int, train: bool
     planned = step_records()
     return {
         "unbudgeted_bytes": unbudgeted, "budget_bytes": budget, "measured_bytes": peak, "held": peak <= budget,
-        "predicted_bytes": planned[-1].predicted_peak_bytes if planned else records[-1].predicted_peak_bytes,
+        # The step as its variants compiled (what Inductor's schedules hold counted, `compiled_peak_bytes`) where
+        # a step plan was predicted again from them; else the plan's prediction.
+        "predicted_bytes": (planned[-1].compiled_peak_bytes or planned[-1].predicted_peak_bytes) if planned
+        else records[-1].predicted_peak_bytes,
+        "planned_bytes": planned[-1].predicted_peak_bytes if planned else records[-1].predicted_peak_bytes,
         "feasible": planned[-1].feasible if planned else records[-1].plan_feasible,
         "step_planned": bool(planned), "graphs": len({r.variant_of or r.graph for r in records}),
         "recomputed": [r.recomputed_values for r in records], "gradients_match_eager": None if train else True,

@@ -278,9 +278,13 @@ def describe_step(record: StepRecord | dict[str, Any]) -> str:
         where = f"in {r['peak_graph']}" + (f" {r['peak_phase']}" if r["peak_phase"] else "") + f" at {r['peak_node'] or '?'}"
     budget = "no budget" if r["budget_bytes"] is None else f"budget {format_bytes(r['budget_bytes'])}"
     verdict = "fits" if r["feasible"] else "over budget"
+    compiled = r.get("compiled_peak_bytes")
     return (
         f"step ({len(r['calls'])} graph call{'s' if len(r['calls']) != 1 else ''}: "
         f"{', '.join(f'{g} x{n}' if n > 1 else g for g, n in calls.items())}): predicted peak "
-        f"{format_bytes(r['predicted_peak_bytes'])} {where}; {budget}, {verdict}"
+        f"{format_bytes(r['predicted_peak_bytes'])} {where}"
+        + (f" ({format_bytes(compiled)} as its graphs compiled)"
+           if compiled is not None and compiled != r["predicted_peak_bytes"] else "")
+        + f"; {budget}, {verdict}"
         + ("; graphs re-planned for the step" if r.get("replanned") else "")
     )

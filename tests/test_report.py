@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dpcs_compiler.debug.render import format_bytes
-from dpcs_compiler.report import StepRecord
+from dpcs_compiler.report import StepRecord, describe_step
 from dpcs_compiler.step.records import _split
 
 
@@ -33,3 +33,12 @@ def test_the_refusal_names_fsdp2s_gathered_parameters_and_ddps_buckets_only_wher
     assert "buckets" not in fsdp
     ddp = _split(record(parameter_bytes=100, outside_bytes=120, bucket_bytes=120, gradient_bytes=150))
     assert "DistributedDataParallel's gradient buckets 120 B" in ddp and "FSDP2" not in ddp
+
+
+def test_the_step_line_says_what_its_compiled_graphs_predict_where_that_differs():
+    planned = describe_step(record())
+    assert planned == ("step (2 graph calls: a, b): predicted peak 1000 B in a backward at mul; budget 900 B, over budget; "
+                       "graphs re-planned for the step")
+    assert describe_step(record(compiled_peak_bytes=1000)) == planned
+    assert "predicted peak 1000 B in a backward at mul (950 B as its graphs compiled); budget 900 B" in describe_step(
+        record(compiled_peak_bytes=950))

@@ -63,3 +63,19 @@ def test_t5_under_inductor_holds_the_budget_its_first_step_plan_is_made_for(tmp_
     assert t5["feasible"] and t5["step_planned"] and t5["gradients_match_eager"]
     assert t5["held"], t5
     assert t5["measured_bytes"] <= t5["predicted_bytes"] <= 1.02 * t5["measured_bytes"], t5
+
+
+@pytest.mark.slow
+@pytest.mark.inductor
+@pytest.mark.parametrize("name", ["gptj", "mixtral"])
+def test_a_refused_budgets_best_plan_under_inductor_is_predicted_as_its_graphs_compiled(tmp_path, monkeypatch, name):
+    """Budgets no plan meets under Inductor: the best plan's step is predicted as its graphs compiled, within 1% of
+    what it measures. Mixtral's experts' gradient is a concatenation Inductor computes in place, which its schedule
+    was read as holding twice (predicted 9.6% over); GPT-J's backward schedule holds 97.5 KB less than the FX
+    model, which its step's prediction left out (5.7% over). Planned with the pinned reference CPU profile."""
+    monkeypatch.setenv("DPCS_HARDWARE_PROFILE", "reference-cpu")
+    run = load_benchmark("hf_architectures").main
+    assert run(["--models", name, "--compiler", "inductor", "--steps", "3", "--out", str(tmp_path)]) == 0
+    model = json.loads((tmp_path / "hf_architectures_inductor.json").read_text())["models"][name]
+    assert not model["feasible"] and model["infeasible_warning"] and model["gradients_match_eager"], model
+    assert model["measured_bytes"] <= model["predicted_bytes"] <= 1.01 * model["measured_bytes"], model
