@@ -439,6 +439,47 @@ class PartCompiler:
         return compile_part
 
 
+@contextlib.contextmanager
+def saved_views_not_donated() -> Iterator[bool]:
+    """AOTAutograd gives the backward every saved tensor that aliases no forward input or output as a donated
+    buffer (`collect_fw_donated_buffer_idxs`), which Inductor may write a backward buffer over in place once it
+    is read for the last time. Two saved tensors that are views of one storage (a plan saving several slices
+    of one buffer, as torch's `default_partition` does) are both donated: one is written over while the other
+    is still to be read. On Hugging Face Mamba under Inductor, every plan's layer-1 `A_log` gradient came out
+    43% of its largest element off (torch.compile with `default_partition` as Inductor's partitioner gives the
+    same; `benchmarks/results/hf_architectures_epyc_inductor_565cec1/mamba_repro.py`). Here a saved tensor that
+    shares its storage with another saved tensor is not donated. Yields whether torch's function was found
+    (a torch without it donates nothing of this kind to guard)."""
+    import unittest.mock
+
+    try:
+        from torch._functorch._aot_autograd import graph_compile
+    except ImportError:
+        yield False
+        return
+    real = getattr(graph_compile, "collect_fw_donated_buffer_idxs", None)
+    if real is None:
+        yield False
+        return
+
+    def storage(t: Any) -> Any:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        try:
+            return StorageWeakRef(t.untyped_storage()) if isinstance(t, torch.Tensor) else None
+        except (RuntimeError, NotImplementedError):  # a tensor with no storage (sparse): never donated
+            return None
+
+    def collect(fw_ins: Any, user_fw_outs: Any, bw_outs: Any, saved_tensors: Any) -> list[int]:
+        donated = real(fw_ins, user_fw_outs, bw_outs, saved_tensors)
+        storages = [storage(t) for t in saved_tensors]
+        shared = {s for s in storages if s is not None and storages.count(s) > 1}
+        return [i for i in donated if storages[i] not in shared]
+
+    with unittest.mock.patch.object(graph_compile, "collect_fw_donated_buffer_idxs", collect):
+        yield True
+
+
 def aot_compile(
     gm: fx.GraphModule,
     example_inputs: Sequence[Any],
@@ -457,7 +498,7 @@ def aot_compile(
         # The backward compiles now, not at its first call: its schedule is checked against the budget
         # and a re-plan (`ScheduleOverBudget`) must happen while compiling.
         functorch_patches["force_non_lazy_backward_lowering"] = True
-    with torch._functorch.config.patch(**functorch_patches):
+    with torch._functorch.config.patch(**functorch_patches), saved_views_not_donated():
         if options.compiler == "inductor":
             from torch._inductor.compile_fx import compile_fx
 

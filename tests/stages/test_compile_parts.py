@@ -8,7 +8,7 @@ import torch._inductor.compile_fx as compile_fx
 
 from dpcs_testing import assert_gradients_match_eager, backward_lowerings, measured_step
 from dpcs_compiler.models import workload
-from dpcs_compiler.stages.compile_parts import _preferred, without_unused_repro_copy
+from dpcs_compiler.stages.compile_parts import _preferred, saved_views_not_donated, without_unused_repro_copy
 
 
 def test_the_minifiers_copy_is_skipped_only_where_it_would_not_be_read():
@@ -62,3 +62,20 @@ def test_the_backward_compiled_is_the_lowest_the_guards_rule_only_if_measurably_
     assert _preferred(peaks, 20_000) == ("sunk", False)  # an order lower by any amount is taken
     assert _preferred({("autograd", False): 5, ("sunk", False): 5}, 0) == ("autograd", False)  # a tie: the first
     assert _preferred({("autograd", False): 5, ("autograd", True): 5}, 0) == ("autograd", False)
+
+
+def test_saved_views_of_one_storage_are_not_donated_to_the_backward():
+    """Two saved slices of one buffer: AOTAutograd donates both, and Inductor can write over one while the other is
+    still read (HF Mamba's gradients 43% off under Inductor). Under dpcs's compiles neither is donated; a saved
+    tensor alone in its storage still is, and one aliasing a user output is not, as before."""
+    from torch._functorch._aot_autograd import graph_compile
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        base, alone, output = torch.empty(4, 4), torch.empty(4), torch.empty(3)
+        saved = [base[0], base[1], alone, output.view(3)]
+    collect = lambda: graph_compile.collect_fw_donated_buffer_idxs([], [output], [], saved)  # noqa: E731
+    assert collect() == [0, 1, 2]  # torch's own: the two slices donated
+    with saved_views_not_donated() as guarded:
+        assert guarded and collect() == [2]
+    assert collect() == [0, 1, 2]
