@@ -304,8 +304,6 @@ def storages_of_aliases(infos: Sequence) -> list:
     twice, 262 KB (9.6% of the step) over the measured peak. An alias whose storage is not among `infos` (a
     graph input) keeps its own bytes: more, never less.
     """
-    import dataclasses as dc
-
     from torch._inductor import ir
 
     by_name = {info.buffer.get_name(): info for info in infos}
@@ -329,10 +327,10 @@ def storages_of_aliases(infos: Sequence) -> list:
     changed = {}
     for storage, members in spans.items():
         ends = [m.end_step for m in members]
-        changed[storage] = dc.replace(by_name[storage], start_step=min(m.start_step for m in members),
+        changed[storage] = dataclasses.replace(by_name[storage], start_step=min(m.start_step for m in members),
                                       end_step=-1 if -1 in ends else max(ends))
         for alias in members[1:]:
-            changed[alias.buffer.get_name()] = dc.replace(alias, size_alloc=0, size_free=0)
+            changed[alias.buffer.get_name()] = dataclasses.replace(alias, size_alloc=0, size_free=0)
     return [changed.get(info.buffer.get_name(), info) for info in infos]
 
 
@@ -430,10 +428,9 @@ def in_place_reuses(order: Sequence, step_of: dict, graph_inputs, graph_outputs)
                         continue
                     if name in graph_inputs and name not in donated:
                         continue
-                    if isinstance(source.node.get_output_spec(), (ir.NoneLayout, ir.MultiOutputLayout)):
+                    # (A NonOwningLayout's bytes are its storage's, `storages_of_aliases`: the output counted apart.)
+                    if isinstance(source.node.get_output_spec(), (ir.NoneLayout, ir.MultiOutputLayout, ir.NonOwningLayout)):
                         continue
-                    if isinstance(source.node.get_output_spec(), ir.NonOwningLayout):
-                        continue  # its bytes are its storage's (`storages_of_aliases`): the output counted apart
                     # Users in earlier kernels, and this node's own ancestors, are done.
                     remaining = [
                         u for u in source.users if step(u.node) >= i and u.node.get_name() not in sub.ancestors
