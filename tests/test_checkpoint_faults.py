@@ -44,11 +44,12 @@ def committed(directory: Path) -> int:
 
 
 def killed_at(tmp: Path, name: str, directory: Path, delay: float, victims: tuple[int, ...] = (0, 1),
-              after: int = 0, mode: str = "run") -> tuple[bool, float]:
+              after: int = 0, mode: str = "run", saving: bool = False) -> tuple[bool, float]:
     """Start both ranks, and SIGKILL the `victims` `delay` seconds after rank 0's loop starts, or after the
-    checkpoint of step `after` is committed (both: the job dies, as on a lost node; one: the other must fail
-    on its own within SURVIVOR_S). Returns whether a rank was killed (not finished first), and the seconds
-    from the loop's start to the end of both."""
+    checkpoint of step `after` is committed, or (`saving`) as soon as the next save has begun (its partial
+    directory exists) (both: the job dies, as on a lost node; one: the other must fail on its own within
+    SURVIVOR_S). Returns whether a rank was killed (not finished first), and the seconds from the loop's start
+    to the end of both."""
     ready = tmp / f"{name}.ready"
     logs = [open(tmp / f"{name}{rank}.log", "w") for rank in range(2)]
     processes = [subprocess.Popen(c, env=ENV, stdout=log, stderr=subprocess.STDOUT)
@@ -62,6 +63,9 @@ def killed_at(tmp: Path, name: str, directory: Path, delay: float, victims: tupl
         while after and committed(directory) < after and all(p.poll() is None for p in processes):
             assert time.monotonic() - started < 120, f"{name}: step {after} was never committed"
             time.sleep(0.002)
+        while saving and not any(directory.glob(".step_*.partial")) and all(p.poll() is None for p in processes):
+            assert time.monotonic() - started < 120, f"{name}: no save began after step {after}"
+            time.sleep(0.001)
         counted = time.monotonic()
         while time.monotonic() - counted < delay and any(p.poll() is None for p in processes):
             time.sleep(0.002)
@@ -104,11 +108,13 @@ def test_a_job_killed_while_saving_resumes_and_ends_as_one_never_killed(tmp_path
         directory = tmp_path / f"trial{trial}"
         # A kill at a random point of a step (saves are most of it), after a number of committed checkpoints
         # that goes round 0..RUN_STEPS-2 (counted, not timed: another process slowing the ranks down moves
-        # no kill out of the loop), then a run to the end.
+        # no kill out of the loop), then a run to the end. Every fourth trial kills as soon as a save has
+        # begun, so that a loaded machine, which stretches the steps around the saves, still kills in one.
         victims = (0, 1) if trial % 2 == 0 else (trial // 2 % 2,)  # both, rank 0 alone, both, rank 1 alone, ...
         after = AFTER[trial % len(AFTER)]
-        killed += killed_at(tmp_path, f"t{trial}k", directory, rng.uniform(0.0, loop / RUN_STEPS), victims,
-                            after=after, mode=mode)[0]
+        saving = trial % 4 == 1
+        killed += killed_at(tmp_path, f"t{trial}k", directory, 0.0 if saving else rng.uniform(0.0, loop / RUN_STEPS),
+                            victims, after=after, mode=mode, saving=saving)[0]
         in_save += any(directory.glob(".step_*.partial"))  # killed between a save's start and its commit
         newest = checkpoint.latest(directory)
         assert not list(directory.glob("step_*")) or newest is not None, "a committed checkpoint always checks"
