@@ -41,13 +41,9 @@ import torch
 from torch._inductor.choices import InductorChoices
 from torch._inductor.virtualized import V
 
+from dpcs_compiler.passes.analysis.inductor_schedule import size_hint as _size_hint
+
 log = logging.getLogger("dpcs.fusion_guard")
-
-
-def _size_hint(expr) -> int:
-    sizevars = V.graph.sizevars
-    hint = getattr(sizevars, "optimization_hint", None)  # torch >= 2.12; size_hint before
-    return int(hint(expr, fallback=0) if hint is not None else sizevars.size_hint(expr, fallback=0))
 
 
 def _output_bytes(node) -> int:

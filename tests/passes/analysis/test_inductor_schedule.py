@@ -227,3 +227,24 @@ def test_inputs_that_are_views_of_one_storage_count_once_and_live_until_the_last
     assert (peaks["per storage"].start_bytes, peaks["per storage"].peak_bytes) == (buffer, 3 * buffer)
     # Per input the start counts s twice, and a's last read frees a buffer: one above the start.
     assert (peaks["per input"].start_bytes, peaks["per input"].increase_bytes) == (2 * buffer, buffer)
+
+
+@pytest.mark.inductor
+def test_an_input_read_under_a_mask_counts_its_own_bytes():
+    """A kernel that pads an input (a slice's gradient) reads it under a mask over the whole padded range: sized
+    by that read, the input counted the padded bytes (Phi-3's backward: four 16 KiB tangents of its fused
+    projection's split counted 64 KiB each, 15.6% of the step over the measured peak)."""
+
+    def fn(a, w):
+        return torch.mm(torch.nn.functional.pad(a, (0, 3 * N // 4)), w)
+
+    a, w = torch.randn(N, N // 4), torch.randn(N, N)
+    compiled = torch.compile(fn, backend="inductor", dynamic=False)
+    with probe_scheduled_peak(resident=frozenset({"arg1_1"})) as probe, torch.no_grad(), \
+            torch._inductor.config.patch(force_disable_caches=True):
+        compiled(a, w)
+    (peak,) = probe.peaks
+    buffer = N * N * 4
+    assert peak.start_bytes == buffer // 4  # a's own bytes, not the padded range's
+    # The padded input beside a, then the product beside the padded input (a freed).
+    assert peak.peak_bytes == 2 * buffer
