@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import operator
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -448,8 +449,10 @@ def saved_views_not_donated() -> Iterator[bool]:
     is still to be read. On Hugging Face Mamba under Inductor, every plan's layer-1 `A_log` gradient came out
     43% of its largest element off (torch.compile with `default_partition` as Inductor's partitioner gives the
     same; `benchmarks/results/hf_architectures_epyc_inductor_565cec1/mamba_repro.py`). Here a saved tensor that
-    shares its storage with another saved tensor is not donated. Yields whether torch's function was found
-    (a torch without it donates nothing of this kind to guard)."""
+    shares its storage with another saved tensor is not donated: shared by their fake values, or by the
+    forward graph (`_storage_roots`: a saved `view` of a saved softmax in DeBERTa-v2's forward had a fake value
+    of its own storage, and the softmax was donated and written over in place). Yields whether torch's
+    functions were found (a torch without them donates nothing of this kind to guard)."""
     import unittest.mock
 
     try:
@@ -458,7 +461,8 @@ def saved_views_not_donated() -> Iterator[bool]:
         yield False
         return
     real = getattr(graph_compile, "collect_fw_donated_buffer_idxs", None)
-    if real is None:
+    real_bw = getattr(graph_compile, "collect_bw_donated_buffer_idxs", None)
+    if real is None or real_bw is None:
         yield False
         return
 
@@ -476,8 +480,52 @@ def saved_views_not_donated() -> Iterator[bool]:
         shared = {s for s in storages if s is not None and storages.count(s) > 1}
         return [i for i in donated if storages[i] not in shared]
 
-    with unittest.mock.patch.object(graph_compile, "collect_fw_donated_buffer_idxs", collect):
+    def collect_bw(fw_module: fx.GraphModule, bw_module: fx.GraphModule, fw_metadata: Any) -> list[int]:
+        donated = real_bw(fw_module, bw_module, fw_metadata)
+        outputs = next(reversed(fw_module.graph.find_nodes(op="output"))).args[0]
+        roots = _storage_roots(list(outputs[fw_metadata.tensors_saved_for_backwards_slice]))
+        shared = {r for r in roots if r is not None and roots.count(r) > 1}
+        first = fw_metadata.num_symints_saved_for_bw or 0
+        return [i for i in donated if not 0 <= i - first < len(roots) or roots[i - first] not in shared]
+
+    with unittest.mock.patch.object(graph_compile, "collect_fw_donated_buffer_idxs", collect), \
+            unittest.mock.patch.object(graph_compile, "collect_bw_donated_buffer_idxs", collect_bw):
         yield True
+
+
+def _storage_roots(saved: Sequence[Any]) -> list[fx.Node | None]:
+    """For each saved value of a forward graph, the node whose storage it points into, followed through view
+    ops (`aten.view`, `_unsafe_view`, `permute`, slices: every op whose schema says its output aliases its
+    first input), or None (not a node)."""
+    def root(node: Any) -> fx.Node | None:
+        if not isinstance(node, fx.Node):
+            return None
+        while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node):
+            base = node.args[0]
+            if _is_view(node.target) or (node.target is operator.getitem and base.op == "call_function"
+                                         and _is_view(base.target, listed=True)):
+                node = base
+            else:
+                break
+        return node
+
+    return [root(n) for n in saved]
+
+
+def _is_view(target: Any, listed: bool = False) -> bool:
+    """Whether `target`'s output is a view of its first input (`listed`: a list of views, as `split` returns)."""
+    if target is torch.ops.aten._unsafe_view.default and not listed:  # a view at run time, not in its schema
+        return True
+    schema = getattr(target, "_schema", None)
+    if schema is None or len(schema.returns) != 1 or not schema.arguments:
+        return False
+    returned, first = schema.returns[0], schema.arguments[0].alias_info
+    if first is None or first.is_write:
+        return False
+    if listed:  # `Tensor(a)[]`: the alias set is its element type's
+        return str(returned.type) == "List[Tensor]" and f"Tensor({next(iter(first.before_set), '?')})[]" in str(schema)
+    out = returned.alias_info
+    return out is not None and not out.is_write and out.before_set == first.before_set
 
 
 def aot_compile(

@@ -79,3 +79,36 @@ def test_saved_views_of_one_storage_are_not_donated_to_the_backward():
     with saved_views_not_donated() as guarded:
         assert guarded and collect() == [2]
     assert collect() == [0, 1, 2]
+
+
+def test_saved_views_are_found_through_the_forward_graph_when_their_fake_values_do_not_share_a_storage():
+    """DeBERTa-v2's forward saved a softmax and a `view` of it whose fake value had a storage of its own: both
+    were donated, and Inductor wrote the softmax's gradient over the softmax in place. The forward graph's view
+    ops (`view`, `split`'s items) tie them to one storage: neither is donated; a value of its own still is."""
+    import operator
+    import types
+
+    from torch._functorch._aot_autograd import graph_compile
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def forward(x):
+        soft = x.softmax(-1)
+        halves = torch.ops.aten.split.Tensor(x.cos(), 2)
+        alone = x.sin()
+        return (x.sum(), soft, soft.view(16), halves[0], halves[1], alone)
+
+    fw = make_fx(forward, tracing_mode="fake")(torch.randn(4, 4))
+    by_target = {n.target: n for n in fw.graph.nodes if n.op == "call_function"}
+    view = by_target[torch.ops.aten.view.default]
+    view.meta["val"] = torch.empty_like(view.meta["val"])  # as DeBERTa's: a storage of its own
+    getitems = [n for n in fw.graph.nodes if n.target is operator.getitem]
+    assert len(getitems) == 2
+    for item in getitems:  # found by the graph alone
+        item.meta["val"] = torch.empty_like(item.meta["val"])
+    bw = make_fx(lambda g: (g,), tracing_mode="fake")(torch.randn(4, 4))
+    meta = types.SimpleNamespace(num_forward=1, tensors_saved_for_backwards_slice=slice(1, 6), num_symints_saved_for_bw=0)
+    collect = lambda: graph_compile.collect_bw_donated_buffer_idxs(fw, bw, meta)  # noqa: E731
+    assert collect() == [0, 1, 2, 3, 4]  # torch's own: every saved value (none aliases an input or an output)
+    with saved_views_not_donated() as guarded:
+        assert guarded and collect() == [4]
+    assert collect() == [0, 1, 2, 3, 4]
