@@ -148,6 +148,9 @@ class GraphJob:
     input_storages: dict[str, dict[str, tuple[str, int]]] = dataclasses.field(default_factory=dict)
     measured_excess: dict[str, int] = dataclasses.field(default_factory=dict)
     carried_excess: int = 0  # what the compiled forward leaves alive beyond the partitioned one
+    # The model's bytes of the backward's saved inputs (their storages, resident ones left out): what its
+    # schedule's start is read against (`PartCompiler._counted`); None where the partition did not say.
+    backward_start_bytes: int | None = None
     partition_excess: dict[str, int] = dataclasses.field(default_factory=dict)
     # Inductor's schedule of both orders picks the planned backward's (`PartCompiler.lowest_scheduled_backward`),
     # as each partition decides (`JointPartitioner`): option backward_order "auto", a plan of dpcs's own that
