@@ -48,7 +48,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from dpcs_compiler.diagnostics import DpcsWarning
-from dpcs_compiler.passes.analysis.tensor_bytes import hint_int
+from dpcs_compiler.passes.analysis.tensor_bytes import dense, hint_int
 
 log = logging.getLogger("dpcs.passes")
 
@@ -106,7 +106,10 @@ def _spec(value: Any, channels_last: bool) -> Any:
     if isinstance(value, torch.Tensor):
         shape = tuple(_hint(s) for s in value.shape)
         stride = tuple(_hint(s) for s in value.stride())
-        if channels_last and value.dim() in (4, 5) and all(s > 0 for s in shape):
+        # Inductor gives a dense tensor the channels-last layout; a view that is not dense (ViT's grad_output: the
+        # patch tokens, a slice past the class token) reaches the kernel as that view of its buffer, and oneDNN
+        # copies it first (8 KiB that a channels-last probe left out: the step measured 0.45% over the prediction).
+        if channels_last and value.dim() in (4, 5) and all(s > 0 for s in shape) and dense(shape, stride):
             fmt = torch.channels_last if value.dim() == 4 else torch.channels_last_3d
             stride = tuple(torch.empty(shape, device="meta").to(memory_format=fmt).stride())
         return TensorSpec(shape, stride, value.dtype, _hint(value.storage_offset()))

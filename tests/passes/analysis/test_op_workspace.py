@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -122,6 +124,29 @@ def test_under_inductor_only_its_aten_kernels_count_and_convolutions_are_channel
     x_spec = op_signature(conv, inductor=True, channels_last=True).args[0]
     assert x_spec.stride == (256, 1, 32, 4)  # channels-last strides of (2, 4, 8, 8)
     assert op_signature(conv, inductor=True).args[0].stride == (256, 64, 8, 1)
+
+
+def test_a_view_that_is_not_dense_reaches_a_channels_last_convolution_as_itself_and_its_copy_is_measured():
+    """ViT's patch embedding: the backward's grad_output is the patch tokens, a slice past the class token,
+    transposed into (N, C, H, W). Inductor hands the kernel that view of its buffer (batch stride 17 x 64, not
+    16 x 64), and oneDNN copies it before it runs. Given channels-last strides, the probe missed the copy and the
+    step measured 0.45% over its prediction."""
+
+    def fn(tokens, x, w):  # tokens: the layer's gradient at (batch, 1 + 16 patches, 64)
+        grad = tokens[:, 1:, :].transpose(1, 2).reshape(2, 64, 4, 4)
+        return torch.ops.aten.convolution_backward.default(grad, x, w, [64], (8, 8), (0, 0), (1, 1), False, (0, 0), 1,
+                                                           [False, True, True])[1:]
+
+    gm = make_fx(fn, tracing_mode="fake")(torch.randn(2, 17, 64), torch.randn(2, 3, 32, 32), torch.randn(64, 3, 8, 8))
+    backward = nodes_by_target(gm)[torch.ops.aten.convolution_backward.default]
+    grad, x, w = op_signature(backward, inductor=True, channels_last=True).args[:3]
+    assert (grad.stride, grad.offset) == ((1088, 1, 256, 64), 64)  # the view, as traced
+    assert x.stride == (3072, 1, 96, 3) and w.stride == (192, 1, 24, 3)  # dense ones: channels-last
+    signature = op_signature(backward, inductor=True, channels_last=True)
+    dense = dataclasses.replace(signature, args=(dataclasses.replace(grad, stride=(1024, 1, 256, 64), offset=0),
+                                                 *signature.args[1:]))
+    measured = measure_workspaces([signature, dense])
+    assert measured[signature] - measured[dense] == 2 * 64 * 4 * 4 * 4  # oneDNN's copy of the view: 8 KiB
 
 
 def test_every_rank_plans_with_the_most_any_rank_measured(monkeypatch):
