@@ -247,9 +247,10 @@ def resident_backward_inputs(step: Schedule, live: Any) -> frozenset[str]:
 
 
 def backward_input_storages(step: Schedule, live: Any, resident: frozenset[str]) -> dict[str, tuple[str, int]]:
-    """The backward's inputs that point into a storage another of its inputs points into too (a saved `view`
-    and its `permute`): input name -> (the storage's key, its bytes), for Inductor's schedule to count each
-    storage once (`inductor_schedule._input_buffers`). Resident inputs are left out (never freed)."""
+    """The storage each backward input points into: input name -> (the storage's key, its bytes), for Inductor's
+    schedule to count a storage several inputs point into once (a saved `view` and its `permute`), and an input
+    that is a view into a larger storage at the storage's bytes (`inductor_schedule._input_buffers`). Resident
+    inputs are left out (never freed)."""
     by_storage: dict[tuple[str, ...], list[str]] = {}
     nbytes: dict[tuple[str, ...], int] = {}
     for p, src in step.receives.items():
@@ -262,7 +263,7 @@ def backward_input_storages(step: Schedule, live: Any, resident: frozenset[str])
         key = tuple(b.producer.name if b.index is None else f"{b.producer.name}[{b.index}]" for b in buffers)
         by_storage.setdefault(key, []).append(p.name)
         nbytes[key] = sum(live.hint(b) for b in buffers)
-    return {name: ("+".join(key), nbytes[key]) for key, names in by_storage.items() if len(names) > 1 for name in names}
+    return {name: ("+".join(key), nbytes[key]) for key, names in by_storage.items() for name in names}
 
 
 def torch_decisions(joint: fx.GraphModule, forward: fx.GraphModule, num_fwd_outputs: int, planning: PlanningGraph,

@@ -30,7 +30,8 @@ def test_outputs_of_one_multi_output_op_are_storages_apart():
     received = {p.name: [(b.producer.name, b.index) for b in live.references[src]] for p, src in step.receives.items()}
     norm = "native_layer_norm"
     assert (received["getitem_1"], received["getitem_2"], received["view"]) == ([(norm, 1)], [(norm, 2)], [(norm, 0)])
-    assert backward_input_storages(step, live, resident_backward_inputs(step, live)) == {}
+    storages = backward_input_storages(step, live, resident_backward_inputs(step, live))
+    assert storages["getitem_1"][0] != storages["getitem_2"][0] != storages["view"][0] != storages["getitem_1"][0]
 
 
 def test_views_of_one_output_are_one_storage_of_its_bytes():
@@ -44,5 +45,6 @@ def test_views_of_one_output_are_one_storage_of_its_bytes():
     step = Schedule.of_partition(graphs.forward, graphs.backward, num_user_outputs=1, parameter_indices=(1,))
     live = liveness(step)
     storages = backward_input_storages(step, live, resident_backward_inputs(step, live))
-    assert set(storages.values()) == {("native_layer_norm[0]", 8 * 64 * 4)}
-    assert len(storages) >= 2
+    shared = [name for name, storage in storages.items() if storage == ("native_layer_norm[0]", 8 * 64 * 4)]
+    assert len(shared) >= 2
+    assert all(storages[name][0] != "native_layer_norm[0]" for name in storages.keys() - shared)

@@ -248,3 +248,30 @@ def test_an_input_read_under_a_mask_counts_its_own_bytes():
     assert peak.start_bytes == buffer // 4  # a's own bytes, not the padded range's
     # The padded input beside a, then the product beside the padded input (a freed).
     assert peak.peak_bytes == 2 * buffer
+
+
+@pytest.mark.inductor
+def test_an_input_that_is_a_view_into_a_larger_storage_counts_the_storage_and_a_whole_one_its_own_bytes():
+    """A saved view into a larger buffer (ViT's class token, a `select` of the last norm's output) keeps all of
+    its storage alive until its last read; sized by its layout's extent, the start read 4,096 B under the saved
+    values and the step's peak after that read 4,096 B over the measured one. An input laid out whole (no offset,
+    nothing skipped) is its own bytes, whatever storage the model gives it: it may be the forward's compact copy."""
+
+    def fn(a, w):
+        return torch.mm(a.sin(), w)
+
+    s, w = torch.randn(N, N), torch.randn(N // 2, N)
+    buffer = N * N * 4
+    starts = {}
+    for name, a in (("view", s[:, : N // 2]), ("whole", torch.randn(N, N // 2))):
+        for storages in (None, {"arg0_1": ("s", buffer)}):
+            torch._dynamo.reset()
+            compiled = torch.compile(fn, backend="inductor", dynamic=False)
+            with probe_scheduled_peak(resident=frozenset({"arg1_1"}), storages=storages) as probe, torch.no_grad(), \
+                    torch._inductor.config.patch(force_disable_caches=True):
+                compiled(a, w)
+            (peak,) = probe.peaks
+            starts[name, storages is not None] = peak.start_bytes
+    assert starts["view", True] == buffer
+    assert starts["view", False] == ((N - 1) * N + N // 2) * 4  # no storage known: its layout's extent
+    assert starts["whole", True] == starts["whole", False] == buffer // 2
