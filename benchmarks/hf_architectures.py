@@ -192,6 +192,32 @@ def one(build: Callable, compiler: str, fraction: float, steps: int, train: bool
     }
 
 
+def plot(path: Path) -> Path:
+    """Each model's step prediction against its measured peak, in percent (held budgets, refused ones, errors
+    marked), beside the JSON: prediction_error.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    payload = json.loads(path.read_text())
+    rows = [(n, r) for n, r in payload["models"].items() if "error" not in r]
+    errors = [100 * (r["predicted_bytes"] / r["measured_bytes"] - 1) for _, r in rows]
+    colors = ["tab:blue" if r["feasible"] else "tab:gray" for _, r in rows]
+    fig, ax = plt.subplots(figsize=(max(6, 0.33 * len(rows)), 4.2))
+    ax.bar(range(len(rows)), errors, color=colors)
+    ax.axhline(0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(rows)), [n for n, _ in rows], rotation=70, fontsize=8)
+    ax.set_ylabel("predicted / measured - 1 (%)")
+    ax.set_title(f"Step peak as compiled vs measured, {payload['fraction']}x budget, {payload['compiler']} "
+                 f"({payload['device']}, torch {payload['torch']}); gray: budget refused, best plan", fontsize=9)
+    fig.tight_layout()
+    out = path.with_name("prediction_error.png")
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     choices = architectures()
@@ -228,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     path = args.out / f"hf_architectures_{args.compiler}{'_train' if args.train else ''}.json"
     path.write_text(json.dumps(payload, indent=1) + "\n")
     print(f"wrote {path}")
+    print(f"wrote {plot(path)}")
     return 1 if any("error" in r for r in results.values()) else 0
 
 

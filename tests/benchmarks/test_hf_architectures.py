@@ -122,3 +122,19 @@ def test_phi3_under_inductor_holds_a_budget_it_was_refused(tmp_path, monkeypatch
     model = json.loads((tmp_path / "hf_architectures_inductor.json").read_text())["models"]["phi3"]
     assert model["feasible"] and model["held"] and model["gradients_match_eager"], model
     assert not model["infeasible_warning"], model
+
+
+@pytest.mark.slow
+@pytest.mark.inductor
+def test_vit_under_inductor_is_predicted_within_a_tenth_of_a_percent_not_under(tmp_path, monkeypatch):
+    """ViT's patch embedding: its backward hands the convolution the patch tokens, a view past the class token that
+    oneDNN copies first (8 KiB the channels-last workspace probe missed), and its saved class token is a view
+    holding all of the norm's output (sized by its extent, 4 KiB short at the start and over after its last read).
+    Predicted 0.45% under the measured step before; now over it by less than 0.1%. Planned with the pinned
+    reference CPU profile."""
+    monkeypatch.setenv("DPCS_HARDWARE_PROFILE", "reference-cpu")
+    run = load_benchmark("hf_architectures").main
+    assert run(["--models", "vit", "--compiler", "inductor", "--steps", "3", "--out", str(tmp_path)]) == 0
+    model = json.loads((tmp_path / "hf_architectures_inductor.json").read_text())["models"]["vit"]
+    assert model["gradients_match_eager"], model
+    assert model["measured_bytes"] <= model["predicted_bytes"] <= 1.001 * model["measured_bytes"], model
