@@ -144,7 +144,7 @@ class GraphJob:
     problem: MemoryProblem | None = None
     levels: PhaseLevels | None = None
     graph_inputs: dict[str, tuple[frozenset[str], frozenset[str]]] = dataclasses.field(default_factory=dict)
-    # Per graph kind: inputs that are views of one storage, name -> (storage key, bytes) (`backward_input_storages`).
+    # Per graph kind: the storage each input points into, name -> (storage key, bytes) (`backward_input_storages`).
     input_storages: dict[str, dict[str, tuple[str, int]]] = dataclasses.field(default_factory=dict)
     measured_excess: dict[str, int] = dataclasses.field(default_factory=dict)
     carried_excess: int = 0  # what the compiled forward leaves alive beyond the partitioned one

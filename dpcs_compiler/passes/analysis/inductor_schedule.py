@@ -88,9 +88,10 @@ def scheduled_peak(
     None for every input; present: non-resident input names alive before the graph starts (the start
     level), or None for all of them. Other inputs (a backward's tangents, made for the call) are counted
     from the start too, but above the start level. workspace: the bytes an extern kernel allocates inside
-    itself, from the FX nodes it comes from (None: none). storages: for inputs that are views of one storage
-    (a backward's saved `view` and its `permute`), input name -> (the storage's key, its bytes): such inputs
-    are one buffer, counted once and freed after the last read of any of them (`_input_buffers`).
+    itself, from the FX nodes it comes from (None: none). storages: input name -> (the storage's key, its bytes):
+    inputs of one storage (a backward's saved `view` and its `permute`) are one buffer, counted once and freed
+    after the last read of any of them, and an input laid out as a view into its storage counts the storage's
+    bytes (`_input_buffers`).
     """
     from torch._inductor import memory
     from torch._inductor.virtualized import V
@@ -249,7 +250,8 @@ def _input_buffers(order: Sequence, graph_inputs, resident: frozenset[str] | Non
     (`storages`) are one buffer of the storage's bytes, alive until the last read of any of them: freeing one
     view frees nothing while another is alive. Counted per input, T5's backward under Inductor started 0.49 MB
     above what its saved values held and freed views early, so its peak above its start came out 78 KB (2.6%
-    of the step) under the measured one.
+    of the step) under the measured one. An input alone in its storage counts the storage's bytes where it is
+    laid out as a view (`_a_view`), else its own layout's (`_input_bytes`).
     """
     from torch._inductor.dependencies import WeakDep
     from torch._inductor.memory import FreeableInputBuffer, MemoryPlanningInfoForBuffer
