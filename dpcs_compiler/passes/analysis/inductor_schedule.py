@@ -44,8 +44,7 @@ import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
-
-from dpcs_compiler.passes.analysis.tensor_bytes import dense
+from torch._prims_common import _is_non_overlapping_and_dense_or_false as dense
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,9 +46,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch._prims_common import _is_non_overlapping_and_dense_or_false as dense
 
 from dpcs_compiler.diagnostics import DpcsWarning
-from dpcs_compiler.passes.analysis.tensor_bytes import dense, hint_int
+from dpcs_compiler.passes.analysis.tensor_bytes import hint_int
 
 log = logging.getLogger("dpcs.passes")
 

@@ -58,17 +58,6 @@ def tensor_bytes_of(tensor: torch.Tensor) -> sympy.Expr:
     return sympy.expand(to_sympy(tensor.numel()) * tensor.element_size())
 
 
-def dense(shape: Iterable[int], stride: Iterable[int]) -> bool:
-    """Whether a tensor of this shape and stride covers its elements' extent exactly, in some order of its dims
-    (no element skipped, none read twice)."""
-    expected = 1
-    for size, step in sorted(((s, st) for s, st in zip(shape, stride) if s != 1), key=lambda d: d[1]):
-        if step != expected:
-            return False
-        expected *= size
-    return True
-
-
 def is_view(node: fx.Node) -> bool:
     """True if the node's result aliases an input's storage instead of allocating."""
     if node.op != "call_function":

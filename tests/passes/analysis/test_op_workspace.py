@@ -139,10 +139,10 @@ def test_a_view_that_is_not_dense_reaches_a_channels_last_convolution_as_itself_
 
     gm = make_fx(fn, tracing_mode="fake")(torch.randn(2, 17, 64), torch.randn(2, 3, 32, 32), torch.randn(64, 3, 8, 8))
     backward = nodes_by_target(gm)[torch.ops.aten.convolution_backward.default]
-    grad, x, w = op_signature(backward, inductor=True, channels_last=True).args[:3]
+    signature = op_signature(backward, inductor=True, channels_last=True)
+    grad, x, w = signature.args[:3]
     assert (grad.stride, grad.offset) == ((1088, 1, 256, 64), 64)  # the view, as traced
     assert x.stride == (3072, 1, 96, 3) and w.stride == (192, 1, 24, 3)  # dense ones: channels-last
-    signature = op_signature(backward, inductor=True, channels_last=True)
     dense = dataclasses.replace(signature, args=(dataclasses.replace(grad, stride=(1024, 1, 256, 64), offset=0),
                                                  *signature.args[1:]))
     measured = measure_workspaces([signature, dense])
