@@ -404,18 +404,24 @@ def test_plan_step_rejects_a_call_of_a_graph_it_has_no_plan_for():
 
 
 def test_solve_knowing_plans_again_with_what_a_known_plan_held_until_the_plan_is_not_known_over():
-    # Plans by the excess counted: none -> "ss"; 100 B backward -> "rs"; more -> "rr". "ss" held 100 B, "rs" 300 B.
-    plans = {0: ("save", "save"), 100: ("recompute", "save"), 300: ("recompute", "recompute")}
+    # Plans by the backward bytes counted: below 80 -> "ss", below 200 -> "rs", from 200 -> "rr". "ss" held 100 B,
+    # "rs" 300 B beyond the model; both are over their target with that (> 50 B); "rr" was never compiled.
+    def plan(backward):
+        return ("save", "save") if backward < 80 else ("recompute", "save") if backward < 200 else ("recompute", "recompute")
+
     known = {"ss": {"backward": 100, "boundary": -5}, "rs": {"backward": 300}}
     made = []
 
     def solve(excess):
-        made.append(dict(excess))
-        return plans[excess.get("backward", 0)], True
+        made.append(excess.get("backward", 0))
+        return plan(excess.get("backward", 0)), True
 
     planned, stands = solve_knowing(known, {"forward": 0, "backward": 0}, solve, lambda d, held: held["backward"] > 50)
-    assert stands and planned == {"forward": 0, "backward": 300, "boundary": 0}
-    assert made == [{"forward": 0, "backward": 0}, {"forward": 0, "backward": 100, "boundary": 0}, planned]
+    # Counting all of "ss"'s 100 B, then all of "rs"'s 300 B, for every plan would plan "rr" with 300 B counted.
+    # Counted is the least eighth of a known excess whose plan is not known over: 100 * 7/8 still plans "ss"
+    # (bisected: 4/8, 6/8, 7/8 tried), all of it plans "rs"; then 300 * 5/8 plans "rs", 300 * 6/8 "rr".
+    assert stands and planned == {"forward": 0, "backward": 225, "boundary": 0}
+    assert made == [0, 50, 75, 87, 100, 150, 225, 187, 225]  # the last solve is the plan
     # A known plan within its target stands; an unknown one too; an infeasible one is returned as it is.
     assert solve_knowing(known, {}, solve, lambda d, held: False) == ({}, True)
     assert solve_knowing({}, {"backward": 7}, lambda e: (("save",), False), lambda d, h: True) == ({"backward": 7}, True)
