@@ -96,15 +96,18 @@ def test_mamba_under_inductor_with_a_budget_matches_eagers_gradients(tmp_path, m
 
 @pytest.mark.slow
 @pytest.mark.inductor
-@pytest.mark.parametrize("name", ["deberta_v2", "gemma3"])
-def test_first_plans_under_inductor_are_predicted_as_they_measure(tmp_path, monkeypatch, name):
+@pytest.mark.parametrize(("name", "steps"), [("deberta_v2", 6), ("gemma3", 3)])
+def test_first_plans_under_inductor_are_predicted_as_they_measure(tmp_path, monkeypatch, name, steps):
     """Every step under the profiler (no correction from a measured step): the step plan holds its budget and is
     predicted within 0.5% of what it measures. DeBERTa-v2's saved softmax was donated and written over in place
     (3.7% over); Gemma 3's saved attention output and log-sum-exp were one 2 KiB storage, and its backward was
-    credited user outputs' bytes (1.1% under, over its budget). Planned with the pinned reference CPU profile."""
+    credited user outputs' bytes (1.1% under, over its budget). Planned with the pinned reference CPU profile.
+    DeBERTa-v2's step is planned again twice when its compiled variants predict it well under its budget
+    (`solve_knowing`): the step measured comes after those (a step that compiles a variant is predicted by its
+    plan until it ends)."""
     monkeypatch.setenv("DPCS_HARDWARE_PROFILE", "reference-cpu")
     run = load_benchmark("hf_architectures").main
-    assert run(["--models", name, "--compiler", "inductor", "--steps", "3", "--out", str(tmp_path)]) == 0
+    assert run(["--models", name, "--compiler", "inductor", "--steps", str(steps), "--out", str(tmp_path)]) == 0
     model = json.loads((tmp_path / "hf_architectures_inductor.json").read_text())["models"][name]
     assert model["feasible"] and model["held"] and model["gradients_match_eager"], model
     assert abs(model["predicted_bytes"] - model["measured_bytes"]) <= 0.005 * model["measured_bytes"], model
@@ -138,3 +141,20 @@ def test_vit_under_inductor_is_predicted_within_a_tenth_of_a_percent_not_under(t
     model = json.loads((tmp_path / "hf_architectures_inductor.json").read_text())["models"]["vit"]
     assert model["gradients_match_eager"], model
     assert model["measured_bytes"] <= model["predicted_bytes"] <= 1.001 * model["measured_bytes"], model
+
+
+@pytest.mark.slow
+@pytest.mark.inductor
+def test_deberta_v2_under_inductor_is_planned_within_two_percent_of_its_budget(tmp_path, monkeypatch):
+    """DeBERTa-v2's compiled plans hold 63-162 KiB in their backward beyond the model, each its own: counting a
+    plan's in full for every later plan, its step at 0.72 of its peak measured 2.1% under its budget (1,385,744 B
+    of 1,415,401). Counted by the least eighth whose plan is not known over (`solve_knowing`), the step is
+    planned again (twice at most) to 0.3% under it (1,411,344 B), and holds it. Planned with the pinned
+    reference CPU profile."""
+    monkeypatch.setenv("DPCS_HARDWARE_PROFILE", "reference-cpu")
+    run = load_benchmark("hf_architectures").main
+    assert run(["--models", "deberta_v2", "--compiler", "inductor", "--steps", "6", "--fraction", "0.72",
+                "--out", str(tmp_path)]) == 0
+    model = json.loads((tmp_path / "hf_architectures_inductor.json").read_text())["models"]["deberta_v2"]
+    assert model["feasible"] and model["held"] and model["gradients_match_eager"], model
+    assert model["measured_bytes"] >= 0.98 * model["budget_bytes"], model
