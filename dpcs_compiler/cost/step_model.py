@@ -193,15 +193,19 @@ def solve_knowing(
         if more == planned or rounds > len(known):  # each round counts more of a known excess: then none is new
             return planned, False
         rounds += 1
+
+        def parts(k: int, base: Mapping[str, int] = planned, of: Mapping[str, int] = held) -> dict[str, int]:
+            return merged_excess(base, {phase: nbytes * k // KNOWN_GRID for phase, nbytes in of.items()})
+
         low, high = 0, KNOWN_GRID  # at `low` parts the plan is known over; at `high` it may not be
         while high - low > 1:
             mid = (low + high) // 2
-            trial = merged_excess(planned, {phase: nbytes * mid // KNOWN_GRID for phase, nbytes in held.items()})
+            trial = parts(mid)
             if trial == planned or known_over(*solve(trial)) is not None:
                 low = mid
             else:
                 high = mid
-        planned = merged_excess(planned, {phase: nbytes * high // KNOWN_GRID for phase, nbytes in held.items()})
+        planned = parts(high)
 
 
 def in_step(problem: MemoryProblem, context: StepContext | None, target: int) -> MemoryProblem:
