@@ -313,10 +313,10 @@ class GraphDispatcher:
             # The module compiled: its parameters are alive through the step, read by a graph or not.
             root = compiled_root_module()
             self.root = weakref.ref(root) if root is not None else None
-            provisional = STEPS.provisional_context(example_inputs)
+            provisional = STEPS.provisional_context(example_inputs, root)
             # The step's first graph: what the step holds around it from its first run on (optimizer state to
             # come, on CUDA what the process holds beside it), kept as a graph alone's own (not provisional).
-            first = STEPS.first_graph_context(example_inputs) if not STEPS.calls else None
+            first = STEPS.first_graph_context(example_inputs, root) if not STEPS.calls else None
             if getattr(getattr(gm, "compile_subgraph_reason", None), "graph_break", False) or more_of_frame_follows():
                 provisional = dataclasses.replace(provisional or first or StepContext(), hold_least=True)
             if provisional is not None:

@@ -64,6 +64,7 @@ from dpcs_compiler.step.holdings import (
     _parameter_ids,
     _regime,
     _state_bytes,
+    unseen_in_first_step,
 )
 from dpcs_compiler.step.participant import Participant
 from dpcs_compiler.step.records import Dumped, _describe, _dump_step_record, _say_infeasible, _split
@@ -292,11 +293,13 @@ def _plan_with_model_state(
 class Planning:
     """The `StepRecorder`'s planning of steps (module docs)."""
 
-    def first_graph_context(self, example_inputs: Sequence[Any]) -> StepContext | None:
+    def first_graph_context(self, example_inputs: Sequence[Any], root: torch.nn.Module | None = None
+                            ) -> StepContext | None:
         """For the step's first graph, compiled before any step of it was seen: what the rest of the step holds
         around it from the first step on, which no graph shows, so that its first plan already fits: the state
         its optimizers hold once they have stepped (torch's optimizers' first-step state anticipated,
-        `cost/optimizer_state.py`), and on CUDA what the process holds beyond the graph's inputs (other
+        `cost/optimizer_state.py`), the compiled module `root`'s parameters it does not take and their
+        gradients (`unseen_in_first_step`), and on CUDA what the process holds beyond the graph's inputs (other
         models, and the cuBLAS workspaces each thread makes at its first matrix product, made here first:
         `_make_cuda_workspaces`). None when that is nothing, or the inputs are fake (DDP's graph splitting)."""
         from torch._subclasses.fake_tensor import is_fake
@@ -314,16 +317,24 @@ class Planning:
             _make_cuda_workspaces(device)
             inputs = {x.untyped_storage().data_ptr(): x.untyped_storage().nbytes() for x in tensors}
             elsewhere = _held_elsewhere(device, inputs, optimizers)
-        around = state + elsewhere
-        if around == 0:
+        unseen, later = unseen_in_first_step(root, tensors, parameters)
+        if device is not None:  # allocated, so counted in `elsewhere` already
+            elsewhere = max(0, elsewhere - unseen)
+        around = state + elsewhere + unseen
+        if around + later == 0:
             return None
         log.info("dpcs: the step's first graph is planned with %d B held around it (optimizer state %d B, on the "
-                 "device beside its inputs %d B)", around, state, elsewhere)
-        return StepContext(forward_bytes=around, backward_bytes=around)
+                 "device beside its inputs %d B, of which the module's parameters it does not take and their "
+                 "gradients %d B), and %d B more in its backward (their gradients to come)", around, state,
+                 elsewhere + unseen, unseen, later)
+        return StepContext(forward_bytes=around, backward_bytes=around + later)
 
-    def provisional_context(self, example_inputs: Sequence[Any]) -> StepContext | None:
+    def provisional_context(self, example_inputs: Sequence[Any], root: torch.nn.Module | None = None
+                            ) -> StepContext | None:
         """For a graph compiled in the middle of a step (its order not known yet): what the graphs that ran
-        before it in this step hold, as their plans say (None at the start of a step, or if unknown)."""
+        before it in this step hold, as their plans say, and the compiled module `root`'s parameters no graph
+        so far takes, with their gradients in its backward (`unseen_in_first_step`); None at the start of a
+        step, or if unknown."""
         if not self.calls or self.partial:
             return None
         try:
@@ -340,7 +351,9 @@ class Planning:
             parameters.update(c.parameters)
             gradients.update(c.gradients)
         common = sum(v for k, v in parameters.items() if k not in own) + sum(gradients.values())
-        return StepContext(forward_bytes=common + held, backward_bytes=common + held, first_step=True)
+        unseen, later = unseen_in_first_step(root, example_inputs, {*parameters, *own})
+        common += unseen
+        return StepContext(forward_bytes=common + held, backward_bytes=common + held + later, first_step=True)
 
     # -- planning ------------------------------------------------------------------------------------------
     def plan(self) -> StepRecord | None:
