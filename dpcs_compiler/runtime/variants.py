@@ -491,6 +491,23 @@ class GraphDispatcher:
                 # graphs uncompiled (compiler="eager", its memory planned for that), so Inductor compiles this
                 # graph once, for the plan that stays, instead of twice (issue 18: compile time).
                 options = dataclasses.replace(options, compiler="eager", stands_in_for="inductor")
+        fn = self._compiled(options, decisions, dynamo_inputs)
+        if options.stands_in_for is not None and self.current_over():
+            # Uncompiled, its plans cannot hold its target (Inductor's fused kernels hold less than the FX graph
+            # they stand in for: the graph-break net's first step, at a tenth of the way from its lowest peak
+            # to its peak without a budget, measured 20% over its budget): compiled now, as it runs.
+            options = dataclasses.replace(options, compiler=options.stands_in_for, stands_in_for=None)
+            fn = self._compiled(options, decisions, dynamo_inputs)
+        return fn
+
+    def current_over(self) -> bool:
+        """Whether the current variant's plan is predicted over its budget (or its step's target)."""
+        records = self.records.get(self.current_key) or []
+        return bool(records) and records[0].plan_feasible is False
+
+    def _compiled(self, options: DpcsOptions, decisions: Decisions | None, dynamo_inputs: Sequence[Any] | None
+                  ) -> Callable:
+        """The variant compiled with `options`, made current; compiled now if new (`_variant`)."""
         key = options.fingerprint()
         if key in self.variants:
             self.current_key = key
