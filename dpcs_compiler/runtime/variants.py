@@ -313,11 +313,14 @@ class GraphDispatcher:
             # The module compiled: its parameters are alive through the step, read by a graph or not.
             root = compiled_root_module()
             self.root = weakref.ref(root) if root is not None else None
-            provisional = STEPS.provisional_context(example_inputs, root)
+            follows = getattr(getattr(gm, "compile_subgraph_reason", None), "graph_break", False) or more_of_frame_follows()
+            # What it takes: its inputs, and its own parameters where Dynamo kept modules in the graph.
+            takes = [*example_inputs, *gm.parameters()]
+            provisional = STEPS.provisional_context(takes, root, follows)
             # The step's first graph: what the step holds around it from its first run on (optimizer state to
             # come, on CUDA what the process holds beside it), kept as a graph alone's own (not provisional).
-            first = STEPS.first_graph_context(example_inputs, root) if not STEPS.calls else None
-            if getattr(getattr(gm, "compile_subgraph_reason", None), "graph_break", False) or more_of_frame_follows():
+            first = STEPS.first_graph_context(takes, root, follows) if not STEPS.calls else None
+            if follows:
                 provisional = dataclasses.replace(provisional or first or StepContext(), hold_least=True)
             if provisional is not None:
                 self.step_contexts[self.bucket] = provisional
@@ -491,13 +494,19 @@ class GraphDispatcher:
                 # graphs uncompiled (compiler="eager", its memory planned for that), so Inductor compiles this
                 # graph once, for the plan that stays, instead of twice (issue 18: compile time).
                 options = dataclasses.replace(options, compiler="eager", stands_in_for="inductor")
-        fn = self._compiled(options, decisions, dynamo_inputs)
-        if options.stands_in_for is not None and self.current_over():
-            # Uncompiled, its plans cannot hold its target (Inductor's fused kernels hold less than the FX graph
-            # they stand in for: the graph-break net's first step, at a tenth of the way from its lowest peak
-            # to its peak without a budget, measured 20% over its budget): compiled now, as it runs.
-            options = dataclasses.replace(options, compiler=options.stands_in_for, stands_in_for=None)
-            fn = self._compiled(options, decisions, dynamo_inputs)
+        first, previous = not self.variants, self.current_key
+        try:
+            fn = self._compiled(options, decisions, dynamo_inputs, first)
+            if options.stands_in_for is not None and self.current_over():
+                # Uncompiled, its plans cannot hold its target (Inductor's fused kernels hold less than the FX
+                # graph they stand in for: the graph-break net's first step, at a tenth of the way from its
+                # lowest peak to its peak without a budget, measured 20% over its budget): compiled by Inductor
+                # now, in the same step context (its plans solved again for the graph Inductor runs).
+                options = dataclasses.replace(options, compiler=options.stands_in_for, stands_in_for=None)
+                fn = self._compiled(options, decisions, dynamo_inputs, first)
+        except Exception:
+            self.current_key = previous  # the variant that runs stays the current one
+            raise
         return fn
 
     def current_over(self) -> bool:
@@ -505,9 +514,10 @@ class GraphDispatcher:
         records = self.records.get(self.current_key) or []
         return bool(records) and records[0].plan_feasible is False
 
-    def _compiled(self, options: DpcsOptions, decisions: Decisions | None, dynamo_inputs: Sequence[Any] | None
-                  ) -> Callable:
-        """The variant compiled with `options`, made current; compiled now if new (`_variant`)."""
+    def _compiled(self, options: DpcsOptions, decisions: Decisions | None, dynamo_inputs: Sequence[Any] | None,
+                  first: bool) -> Callable:
+        """The variant compiled with `options`, made current; compiled now if new (`_variant`). `first`: the
+        graph's first compile (a failure may fall back to plain Inductor, `CompileFn`)."""
         key = options.fingerprint()
         if key in self.variants:
             self.current_key = key
@@ -520,7 +530,7 @@ class GraphDispatcher:
         graph = copy_graph_module(self.graph_module)
         try:
             if dynamo_inputs is not None:
-                fn = self.compile_fn(graph, list(dynamo_inputs), options, not self.variants)
+                fn = self.compile_fn(graph, list(dynamo_inputs), options, first)
             else:
                 from torch._guards import TracingContext, tracing
 

@@ -158,26 +158,35 @@ def _count_unseen_parameters(root: torch.nn.Module, args: Sequence[Any], paramet
         outside[storage.data_ptr()] = storage.nbytes() + gradient  # by the parameter, as `gradients` is
 
 
-def unseen_in_first_step(root: torch.nn.Module | None, example_inputs: Sequence[Any], seen: Iterable[int]
-                         ) -> tuple[int, int]:
+def unseen_in_first_step(root: torch.nn.Module | None, takes: Sequence[Any], follows: bool,
+                         device: torch.device | None = None, taken: Iterable[int] = ()) -> tuple[int, int]:
     """For a graph compiled in the step's first run: (bytes alive through it, bytes more alive in its backward)
-    of the compiled module's parameters on its device that neither it nor an earlier call of the step takes
-    (storages `seen`), which no graph counts until the step has been seen once.
+    of the compiled module's parameters on its device (`device`, else its inputs') whose storages neither its
+    tensors `takes` nor an earlier call of the step (storages `taken`) hold, which no graph counts until the
+    step has been seen once.
 
-    Alive through it: those parameters, and the gradients they already have. More in its backward: the
-    gradients the others will have by then. Its backward runs after the backwards of every graph that follows
-    it, so those parameters' gradients exist there, except where eager code before it reads them (an
-    embedding left outside the graphs): found in its inputs' autograd history, their gradients come after.
+    Alive through it: those parameters, and the gradients they already have. More in its backward, where more
+    graphs `follows` it: the gradients the others will have by then. Its backward runs after the backwards of
+    every graph that follows it, so those parameters' gradients exist there, except where eager code before
+    it reads them (an embedding left outside the graphs): found in its inputs' autograd history, their
+    gradients come after (unless the parameter is tied, registered twice, as a causal LM's output layer
+    shares its embedding's weight: a later graph may take it too). A graph that nothing follows (a step of
+    one graph) counts none: a parameter it does not take gets no gradient before its backward.
     On the graph-break net the first graph was planned without the later graphs' parameters and gradients
     (2.1 MB each of a 14.5 MB budget): its backward, the step's last, measured 7% over the budget at the
     first step."""
     if root is None or _fsdp_parameters() is not None:  # FSDP2's shards: counted by their own path
         return 0, 0
-    tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
-    device = next((x.device for x in tensors), None)
+    tensors = [x for x in takes if isinstance(x, torch.Tensor)]
+    if device is None:
+        device = next((x.device for x in tensors if x.device.type != "cpu"), None) or next(
+            (x.device for x in tensors), None)
+    counted = {*taken, *(x.untyped_storage().data_ptr() for x in tensors)}
     offloaded = {id(p) for po in list(OFFLOADS) for m in po.modules for p in po.params[m]}
-    _, bucket_views = _ddp_buckets()  # (views of DDP's buckets are counted with them)
-    counted = set(seen)
+    _, bucket_views = _ddp_buckets()  # gradients that are views of DDP's buckets take no memory of their own
+    registered: dict[int, int] = {}
+    for _, p in root.named_parameters(remove_duplicate=False):
+        registered[id(p)] = registered.get(id(p), 0) + 1
     before: set[int] | None = None
     alive = backward = 0
     for p in root.parameters():
@@ -186,14 +195,16 @@ def unseen_in_first_step(root: torch.nn.Module | None, example_inputs: Sequence[
             continue
         counted.add(storage.data_ptr())
         alive += storage.nbytes()
-        if bucket_views or not p.requires_grad:
+        if bucket_views:
             continue
         if p.grad is not None:
             alive += p.grad.untyped_storage().nbytes()
             continue
+        if not (follows and p.requires_grad):
+            continue
         if before is None:
             before = _read_before(tensors)
-        if id(p) not in before:
+        if id(p) not in before or registered[id(p)] > 1:
             backward += p.numel() * p.element_size()
     return alive, backward
 
@@ -216,7 +227,7 @@ def _read_before(tensors: Sequence[torch.Tensor]) -> set[int]:
         variable = getattr(node, "variable", None)
         if isinstance(variable, torch.Tensor):
             leaves.add(id(variable))
-        stack.extend(n for n, _ in node.next_functions if n is not None)
+        stack.extend(n for n, _ in node.next_functions if n is not None and id(n) not in seen)
     return leaves
 
 

@@ -293,15 +293,16 @@ def _plan_with_model_state(
 class Planning:
     """The `StepRecorder`'s planning of steps (module docs)."""
 
-    def first_graph_context(self, example_inputs: Sequence[Any], root: torch.nn.Module | None = None
-                            ) -> StepContext | None:
+    def first_graph_context(self, example_inputs: Sequence[Any], root: torch.nn.Module | None = None,
+                            follows: bool = False) -> StepContext | None:
         """For the step's first graph, compiled before any step of it was seen: what the rest of the step holds
         around it from the first step on, which no graph shows, so that its first plan already fits: the state
         its optimizers hold once they have stepped (torch's optimizers' first-step state anticipated,
-        `cost/optimizer_state.py`), the compiled module `root`'s parameters it does not take and their
-        gradients (`unseen_in_first_step`), and on CUDA what the process holds beyond the graph's inputs (other
-        models, and the cuBLAS workspaces each thread makes at its first matrix product, made here first:
-        `_make_cuda_workspaces`). None when that is nothing, or the inputs are fake (DDP's graph splitting)."""
+        `cost/optimizer_state.py`), the compiled module `root`'s parameters it does not take and, where more
+        graphs `follows`, their gradients (`unseen_in_first_step`), and on CUDA what the process holds beyond
+        the graph's inputs (other models, and the cuBLAS workspaces each thread makes at its first matrix
+        product, made here first: `_make_cuda_workspaces`). None when that is nothing, or the inputs are fake
+        (DDP's graph splitting). `example_inputs`: its inputs and its own parameters."""
         from torch._subclasses.fake_tensor import is_fake
 
         tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
@@ -317,7 +318,7 @@ class Planning:
             _make_cuda_workspaces(device)
             inputs = {x.untyped_storage().data_ptr(): x.untyped_storage().nbytes() for x in tensors}
             elsewhere = _held_elsewhere(device, inputs, optimizers)
-        unseen, later = unseen_in_first_step(root, tensors, parameters)
+        unseen, later = unseen_in_first_step(root, tensors, follows, device)
         if device is not None:  # allocated, so counted in `elsewhere` already
             elsewhere = max(0, elsewhere - unseen)
         around = state + elsewhere + unseen
@@ -329,12 +330,12 @@ class Planning:
                  elsewhere + unseen, unseen, later)
         return StepContext(forward_bytes=around, backward_bytes=around + later)
 
-    def provisional_context(self, example_inputs: Sequence[Any], root: torch.nn.Module | None = None
-                            ) -> StepContext | None:
+    def provisional_context(self, example_inputs: Sequence[Any], root: torch.nn.Module | None = None,
+                            follows: bool = False) -> StepContext | None:
         """For a graph compiled in the middle of a step (its order not known yet): what the graphs that ran
         before it in this step hold, as their plans say, and the compiled module `root`'s parameters no graph
-        so far takes, with their gradients in its backward (`unseen_in_first_step`); None at the start of a
-        step, or if unknown."""
+        so far takes, with, where more graphs `follows`, their gradients in its backward
+        (`unseen_in_first_step`); None at the start of a step, or if unknown."""
         if not self.calls or self.partial:
             return None
         try:
@@ -351,7 +352,7 @@ class Planning:
             parameters.update(c.parameters)
             gradients.update(c.gradients)
         common = sum(v for k, v in parameters.items() if k not in own) + sum(gradients.values())
-        unseen, later = unseen_in_first_step(root, example_inputs, {*parameters, *own})
+        unseen, later = unseen_in_first_step(root, example_inputs, follows, taken=parameters)
         common += unseen
         return StepContext(forward_bytes=common + held, backward_bytes=common + held + later, first_step=True)
 
