@@ -141,13 +141,15 @@ def _ddp_buckets() -> tuple[dict[int, int], bool]:
     return {id(ddp): nbytes}, bool(getattr(ddp, "gradient_as_bucket_view", False))
 
 
-def _count_unseen_parameters(root: torch.nn.Module, args: Sequence[Any], parameters: dict[int, int],
-                             offloads: dict, bucket_views: bool, outside: dict[int, int]) -> None:
+def _count_unseen_parameters(root: torch.nn.Module, args: Sequence[Any], parameters: Iterable[int],
+                             offloads: Iterable[int], bucket_views: bool, outside: dict[int, int],
+                             device: torch.device | None = None) -> None:
     """Add to `outside` (by storage) the parameters of the compiled module on the call's device that this call
     does not take, and their gradients: alive through the step whoever reads them. A graph break in a layer
     leaves the embedding to eager code (Hugging Face models), which no graph counted: the step went over its
     budget by the embedding's bytes. (A parameter a later call takes is counted once, with it: `_shape`.)"""
-    device = next((x.device for x in args if isinstance(x, torch.Tensor)), None)
+    if device is None:
+        device = next((x.device for x in args if isinstance(x, torch.Tensor)), None)
     for p in root.parameters():
         if p.device != device or id(p) in offloads:
             continue
@@ -181,32 +183,21 @@ def unseen_in_first_step(root: torch.nn.Module | None, takes: Sequence[Any], fol
     if device is None:
         device = next((x.device for x in tensors if x.device.type != "cpu"), None) or next(
             (x.device for x in tensors), None)
-    counted = {*taken, *(x.untyped_storage().data_ptr() for x in tensors)}
     offloaded = {id(p) for po in list(OFFLOADS) for m in po.modules for p in po.params[m]}
     _, bucket_views = _ddp_buckets()  # gradients that are views of DDP's buckets take no memory of their own
+    unseen: dict[int, int] = {}  # as the step recorder counts them once the step runs
+    _count_unseen_parameters(root, tensors, {*taken, *(x.untyped_storage().data_ptr() for x in tensors)},
+                             offloaded, bucket_views, unseen, device)
+    alive = sum(unseen.values())
+    if not follows or bucket_views or not unseen:
+        return alive, 0
+    to_come = [p for p in root.parameters()
+               if p.untyped_storage().data_ptr() in unseen and p.grad is None and p.requires_grad]
+    before = _read_before(tensors) if to_come else set()
     registered: dict[int, int] = {}
     for _, p in root.named_parameters(remove_duplicate=False):
         registered[id(p)] = registered.get(id(p), 0) + 1
-    before: set[int] | None = None
-    alive = backward = 0
-    for p in root.parameters():
-        storage = p.untyped_storage()
-        if p.device != device or id(p) in offloaded or not storage.nbytes() or storage.data_ptr() in counted:
-            continue
-        counted.add(storage.data_ptr())
-        alive += storage.nbytes()
-        if bucket_views:
-            continue
-        if p.grad is not None:
-            alive += p.grad.untyped_storage().nbytes()
-            continue
-        if not (follows and p.requires_grad):
-            continue
-        if before is None:
-            before = _read_before(tensors)
-        if id(p) not in before or registered[id(p)] > 1:
-            backward += p.numel() * p.element_size()
-    return alive, backward
+    return alive, sum(p.numel() * p.element_size() for p in to_come if id(p) not in before or registered[id(p)] > 1)
 
 
 AUTOGRAD_WALK_LIMIT = 200_000  # autograd nodes visited looking for what eager code before a graph read
