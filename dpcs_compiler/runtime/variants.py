@@ -497,11 +497,13 @@ class GraphDispatcher:
         first, previous = not self.variants, self.current_key
         try:
             fn = self._compiled(options, decisions, dynamo_inputs, first)
-            if options.stands_in_for is not None and self.current_over():
-                # Uncompiled, its plans cannot hold its target (Inductor's fused kernels hold less than the FX
-                # graph they stand in for: the graph-break net's first step, at a tenth of the way from its
-                # lowest peak to its peak without a budget, measured 20% over its budget): compiled by Inductor
-                # now, in the same step context (its plans solved again for the graph Inductor runs).
+            if options.stands_in_for is not None and self.current_over() and self._compiled_may_hold():
+                # Uncompiled, its plans cannot hold its target, and as Inductor runs it one can (Inductor's fused
+                # kernels hold less than the FX graph they stand in for: the graph-break net's first step, at a
+                # tenth of the way from its lowest peak to its peak without a budget, measured 20% over its
+                # budget): compiled by Inductor now, in the same step context (its plans solved again for the
+                # graph Inductor runs). Where no plan holds it either way, the stand-in stays: a compile more
+                # would buy nothing.
                 options = dataclasses.replace(options, compiler=options.stands_in_for, stands_in_for=None)
                 fn = self._compiled(options, decisions, dynamo_inputs, first)
         except Exception:
@@ -513,6 +515,22 @@ class GraphDispatcher:
         """Whether the current variant's plan is predicted over its budget (or its step's target)."""
         records = self.records.get(self.current_key) or []
         return bool(records) and records[0].plan_feasible is False
+
+    def _compiled_may_hold(self) -> bool:
+        """For the current variant, a stand-in: whether the graph as the compiler it stands in for runs it (its
+        step view, `GraphJob.step_view`) has a plan within its target in its step context (True where that
+        view cannot be built: compiled, to be sure)."""
+        from dpcs_compiler.cost.step_model import in_step
+        from dpcs_compiler.solve import fits
+
+        job = self.current_job()
+        view = job.step_view if job is not None else None
+        if view is None:
+            return True
+        context = job.options.step_context
+        if context is not None:
+            context = dataclasses.replace(context, boundary_cap=None, hold_least=False)
+        return fits(in_step(view.problem, context, job.target), job.target)[1]
 
     def _compiled(self, options: DpcsOptions, decisions: Decisions | None, dynamo_inputs: Sequence[Any] | None,
                   first: bool) -> Callable:

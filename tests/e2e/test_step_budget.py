@@ -312,8 +312,8 @@ def test_every_step_from_the_first_holds_a_budget_only_inductors_kernels_reach(s
     """Under Inductor, a first plan that holds least runs uncompiled (a stand-in) until the step is known. At a
     budget below the lowest step peak the eager compiler reaches, no stand-in plan of the first graph holds
     it (its backward runs last, after the later graphs' gradients are made); the graph is compiled by
-    Inductor at once instead. The first step measured 1.20x its budget (15.49 MB for 12.95 MB) when the
-    stand-in ran."""
+    Inductor at once instead, where Inductor's graph has a plan within it. The first step measured 1.20x its
+    budget (15.49 MB for 12.95 MB) when the stand-in ran."""
     w, lowest, _, expected = step_range  # `lowest`: the eager compiler's
     budget = int(0.93 * lowest)
     peaks, compiled = measured_steps(w.model, lambda compiled: w.loss_fn(compiled(*w.inputs)).backward(),
@@ -329,6 +329,11 @@ def test_every_step_from_the_first_holds_a_budget_only_inductors_kernels_reach(s
         after = training[i + 1]
         assert after.compiler == "inductor" and after.step_context["hold_least"] and after.plan_feasible
     torch.testing.assert_close(compiled_gradients(w, compiled), expected, atol=1e-5, rtol=1e-4)
+    # Where Inductor's graph cannot hold the target either, the stand-in stays: a compile more buys nothing.
+    measured_steps(w.model, lambda compiled: w.loss_fn(compiled(*w.inputs)).backward(), 0, 1, compiler="inductor",
+                   memory_budget=lowest // 2, on_infeasible="best")
+    first = [r for r in compile_records() if r.mode == "training"][:3]
+    assert [(r.compiler, r.plan_feasible) for r in first[:2]] == [("eager", False)] * 2
 
 
 @pytest.mark.inductor
